@@ -1,0 +1,19 @@
+"""jaxlightning: a Lightning-style trainer for JAX, data-parallel over every device."""
+
+from jaxlightning import callbacks as callbacks
+from jaxlightning import loggers as loggers
+from jaxlightning import strategies as strategies
+from jaxlightning.callbacks import Callback as Callback
+from jaxlightning.callbacks import TQDMProgressBar as TQDMProgressBar
+from jaxlightning.data import BatchError as BatchError
+from jaxlightning.loggers import Logger as Logger
+from jaxlightning.loggers import TensorBoardLogger as TensorBoardLogger
+from jaxlightning.module import AttributeDict as AttributeDict
+from jaxlightning.module import JaxModule as JaxModule
+from jaxlightning.state import TrainState as TrainState
+from jaxlightning.strategies import PmapStrategy as PmapStrategy
+from jaxlightning.strategies import ShardMapStrategy as ShardMapStrategy
+from jaxlightning.strategies import Strategy as Strategy
+from jaxlightning.trainer import Trainer as Trainer
+
+__version__ = "0.1.0"

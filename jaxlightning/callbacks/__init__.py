@@ -1,0 +1,4 @@
+"""Callbacks: host-side hooks into the loop."""
+
+from jaxlightning.callbacks.base import Callback as Callback
+from jaxlightning.callbacks.progress import TQDMProgressBar as TQDMProgressBar

@@ -1,0 +1,205 @@
+"""Host side of the data path: DataLoader batches to fixed-shape numpy, then devices.
+
+A batch from a `torch.utils.data.DataLoader` (tensors or numpy arrays, in tuples,
+lists, dicts, nested) becomes a pytree of numpy arrays without copies where the
+memory allows, is checked, and is padded to the fixed global batch size with a
+boolean mask of real rows. Fixed shapes mean each step compiles once; the mask
+means padded rows never count in losses or metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+
+class BatchError(ValueError):
+    """A batch that cannot be turned into device arrays."""
+
+
+def _leaf_to_numpy(x: Any) -> Any:
+    try:
+        import torch
+    except ImportError:  # torch is only needed for torch tensors
+        torch = None
+    if torch is not None and isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:  # numpy has no bfloat16; reinterpret the bits
+            return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return x.numpy()
+    if isinstance(x, (str, bytes)):
+        return x
+    return np.asarray(x)
+
+
+def _where(path: Any) -> str:
+    return "batch" + jax.tree_util.keystr(path)
+
+
+def to_numpy(batch: Any) -> Any:
+    """Converts a batch to a pytree of numeric numpy arrays with one leading size.
+
+    Raises:
+        BatchError: naming the offending entry, for strings or object arrays, for
+            arrays without a batch dimension, and for entries whose leading
+            dimensions disagree.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves:
+        raise BatchError("the batch holds no arrays; a DataLoader batch must hold arrays")
+    converted = jax.tree.map(_leaf_to_numpy, batch)
+    first_path, first = None, None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(converted)[0]:
+        if isinstance(leaf, (str, bytes)) or leaf.dtype.kind in "OSUV":
+            kind = type(leaf).__name__ if isinstance(leaf, (str, bytes)) else leaf.dtype
+            raise BatchError(
+                f"{_where(path)} holds {kind} data; only numeric arrays can go to devices. "
+                "Drop or encode that field (e.g. in the Dataset or a collate_fn)"
+            )
+        if leaf.ndim == 0:
+            raise BatchError(
+                f"{_where(path)} is a scalar; every entry of a batch needs a leading batch "
+                "dimension"
+            )
+        if first is None:
+            first_path, first = path, leaf
+        elif leaf.shape[0] != first.shape[0]:
+            raise BatchError(
+                f"{_where(path)} has {leaf.shape[0]} rows but {_where(first_path)} has "
+                f"{first.shape[0]}; every array in a batch must share its leading (batch) "
+                "dimension"
+            )
+    return converted
+
+
+def batch_rows(batch: Any) -> int:
+    return jax.tree.leaves(batch)[0].shape[0]
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """A padded host batch: ``data`` with ``size`` rows, of which ``real`` are real."""
+
+    data: Any
+    mask: np.ndarray
+    real: int
+
+
+class Padder:
+    """Pads batches to one fixed global size, a multiple of ``multiple``.
+
+    The size is set by the DataLoader's ``batch_size`` when it has one, else by
+    the first batch. A larger batch grows it (one more compilation, with a warning).
+    """
+
+    def __init__(self, multiple: int, batch_size: int | None = None) -> None:
+        self.multiple = multiple
+        self.size = self._round(batch_size) if batch_size else None
+
+    def _round(self, rows: int) -> int:
+        return math.ceil(rows / self.multiple) * self.multiple
+
+    def __call__(self, batch: Any) -> HostBatch:
+        batch = to_numpy(batch)
+        rows = batch_rows(batch)
+        if rows == 0:
+            raise BatchError("a batch has 0 rows; DataLoader batches must not be empty")
+        if self.size is None:
+            self.size = self._round(rows)
+        elif rows > self.size:
+            warnings.warn(
+                f"a batch of {rows} rows is larger than the fixed batch size {self.size}; "
+                "padding to a larger size recompiles the step",
+                stacklevel=2,
+            )
+            self.size = self._round(rows)
+        mask = np.zeros(self.size, bool)
+        mask[:rows] = True
+        if rows < self.size:
+            # Pad with copies of the last real row: finite, in-range values that any
+            # model can process, and the mask drops them from every average.
+            fill = np.full(self.size - rows, rows - 1)
+            idx = np.concatenate([np.arange(rows), fill])
+            batch = jax.tree.map(lambda x: np.take(x, idx, axis=0), batch)
+        return HostBatch(batch, mask, rows)
+
+
+def loader_batch_size(loader: Iterable[Any]) -> int | None:
+    """The DataLoader's fixed ``batch_size``, if it has one."""
+    size = getattr(loader, "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+@dataclass(frozen=True)
+class DeviceBatch:
+    host: HostBatch
+    data: Any
+    mask: Any
+
+
+_END = object()
+
+
+class Prefetcher:
+    """Iterates ``loader`` on a background thread, ``depth`` batches ahead.
+
+    Each item goes through ``prepare`` (conversion, padding, device placement)
+    on that thread, so loading and host-to-device copies overlap the step.
+    Exceptions are re-raised in the consuming thread. Call `close` (or use it as
+    a context manager) when stopping early.
+    """
+
+    def __init__(self, loader: Iterable[Any], prepare: Callable[[Any], Any], depth: int = 2):
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._work, args=(loader, prepare), daemon=True, name="jl-prefetch"
+        )
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self, loader: Iterable[Any], prepare: Callable[[Any], Any]) -> None:
+        try:
+            for item in loader:
+                if not self._put(prepare(item)):
+                    return
+        except BaseException as exc:  # forwarded to the consumer
+            self._put(exc)
+            return
+        self._put(_END)
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,4 @@
+"""Loggers: where host-side metric values go."""
+
+from jaxlightning.loggers.base import Logger as Logger
+from jaxlightning.loggers.tensorboard import TensorBoardLogger as TensorBoardLogger

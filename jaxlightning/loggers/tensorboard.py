@@ -1,0 +1,82 @@
+"""TensorBoard event files through tensorboardX."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from tensorboardX import SummaryWriter
+from tensorboardX.summary import hparams as hparams_summary
+
+from jaxlightning.loggers.base import Logger
+
+
+def _next_version(root: str) -> int:
+    if not os.path.isdir(root):
+        return 0
+    found = [re.fullmatch(r"version_(\d+)", d) for d in os.listdir(root)]
+    return max((int(m.group(1)) + 1 for m in found if m), default=0)
+
+
+def _hparam_value(v: Any) -> bool | int | float | str:
+    return v if isinstance(v, (bool, int, float, str)) else str(v)
+
+
+class TensorBoardLogger(Logger):
+    """Writes scalars and hparams to ``{save_dir}/{name}/version_{N}/``.
+
+    The version is the next free one, chosen when the writer is first needed,
+    so every run gets its own directory. Open it with
+    ``tensorboard --logdir {save_dir}/{name}``.
+
+    Args:
+        save_dir: the root folder.
+        name: the experiment folder under it.
+        version: a fixed version number instead of the next free one.
+    """
+
+    def __init__(self, save_dir: str, name: str = "lightning_logs", version: int | None = None):
+        self.save_dir = save_dir
+        self.name = name
+        self._version = version
+        self._writer: SummaryWriter | None = None
+
+    @property
+    def version(self) -> int:
+        if self._version is None:
+            self._version = _next_version(os.path.join(self.save_dir, self.name))
+        return self._version
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self.save_dir, self.name, f"version_{self.version}")
+
+    @property
+    def writer(self) -> SummaryWriter:
+        if self._writer is None:
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._writer = SummaryWriter(logdir=self.log_dir)
+        return self._writer
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        # SummaryWriter.add_hparams would write into a new sub-run; write the three
+        # hparams summaries into this run instead so TensorBoard shows one run.
+        values = {k: _hparam_value(v) for k, v in params.items()}
+        file_writer = self.writer.file_writer
+        for summary in hparams_summary(values, {}):
+            file_writer.add_summary(summary)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, global_step=step)
+
+    def finalize(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,159 @@
+"""`JaxModule`: what the user writes (model, optimizer, loss, evaluation)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import optax
+
+
+class AttributeDict(dict):
+    """A dict whose keys are also attributes: ``hparams.lr == hparams["lr"]``."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(f"no hyperparameter {key!r}; have {sorted(self)}") from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+
+class JaxModule:
+    """Base class of a model trained by `jaxlightning.Trainer`.
+
+    Subclass it and override the hooks. The traced hooks (`loss`, `eval_step`,
+    `predict_step`) see *one device's shard* of a batch and must be pure functions
+    of their arguments; the Trainer compiles them once per run.
+
+    Example:
+        ```python
+        class LitDigits(jl.JaxModule):
+            def __init__(self, lr=1e-3):
+                super().__init__()
+                self.save_hyperparameters()
+                self.net = MLP()
+
+            def setup(self, rng, batch):
+                return self.net.init(rng, batch["x"])
+
+            def configure_optimizers(self):
+                return optax.adam(self.hparams.lr)
+
+            def loss(self, variables, batch, rngs):
+                logits = self.net.apply(variables, batch["x"], train=True, rngs=rngs)
+                self.log("acc", logits.argmax(-1) == batch["y"])
+                return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        ```
+
+    Attributes:
+        hparams: hyperparameters recorded by `save_hyperparameters`.
+        rng_streams: names of the PRNG streams handed to `loss` as ``rngs``.
+        variables: the trained flax variables, set by the Trainer after ``fit``
+            (``None`` before); `validate`, `test` and `predict` use them.
+    """
+
+    rng_streams: tuple[str, ...] = ("dropout",)
+
+    def __init__(self) -> None:
+        self.hparams = AttributeDict()
+        self.variables: dict[str, Any] | None = None
+        self._log_sink: dict[str, jax.Array] | None = None
+
+    # ----------------------------------------------------------------- hooks
+    def setup(self, rng: jax.Array, batch: Any) -> dict[str, Any]:
+        """Host, once per run: returns the initial flax variables.
+
+        Args:
+            rng: a PRNG key for initialisation.
+            batch: one device's share of the first training batch (numpy arrays).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} must define setup(self, rng, batch) returning "
+            "flax variables, e.g. `return self.net.init(rng, batch['x'])`"
+        )
+
+    def configure_optimizers(self) -> optax.GradientTransformation:
+        """Returns the optax transformation that updates ``params``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must define configure_optimizers(self) returning "
+            "an optax transformation, e.g. `return optax.adam(1e-3)`"
+        )
+
+    def loss(self, variables: dict[str, Any], batch: Any, rngs: dict[str, jax.Array]) -> Any:
+        """Traced, one device's shard: the training objective.
+
+        Returns a scalar, a per-example vector (the Trainer takes the mean over the
+        real examples, so padded rows never count), or ``(loss, updates)`` where
+        ``updates`` holds mutated collections such as ``{"batch_stats": ...}``;
+        those are averaged across devices.
+        """
+        raise NotImplementedError
+
+    def eval_step(self, variables: dict[str, Any], batch: Any) -> None:
+        """Traced, one device's shard: log evaluation metrics with `log`."""
+        raise NotImplementedError
+
+    def predict_step(self, variables: dict[str, Any], batch: Any) -> Any:
+        """Traced, one device's shard: returns per-example outputs (a pytree)."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------------- logging
+    def log(self, name: str, value: Any) -> None:
+        """Records a metric from inside `loss` or `eval_step`.
+
+        ``value`` is a scalar or a per-example vector (booleans count as 0/1).
+        Per-example values are averaged exactly over the real examples of every
+        batch since the metric was last reported; a scalar counts once per real
+        example of the device's shard. The Trainer prefixes the stage:
+        ``train/<name>``, ``val/<name>`` or ``test/<name>``.
+        """
+        if self._log_sink is None:
+            raise RuntimeError(
+                f"self.log({name!r}, ...) was called outside a traced hook; call it "
+                "inside loss() or eval_step() while the Trainer runs them"
+            )
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"self.log needs a non-empty string name, got {name!r}")
+        if name in self._log_sink:
+            raise ValueError(f"self.log({name!r}, ...) was called twice in one step")
+        self._log_sink[name] = value
+
+    @contextlib.contextmanager
+    def _collect_logs(self) -> Iterator[dict[str, jax.Array]]:
+        """Within the block, `log` records into the yielded dict."""
+        previous, self._log_sink = self._log_sink, {}
+        try:
+            yield self._log_sink
+        finally:
+            self._log_sink = previous
+
+    def save_hyperparameters(self, *names: str, ignore: tuple[str, ...] = ()) -> None:
+        """Records the calling ``__init__``'s arguments in `hparams`.
+
+        Args:
+            *names: record only these arguments (default: all).
+            ignore: arguments to leave out.
+        """
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if caller is None:
+            raise RuntimeError("save_hyperparameters() must be called from __init__")
+        info = inspect.getargvalues(caller)
+        values: dict[str, Any] = {a: info.locals[a] for a in info.args if a != "self"}
+        if info.keywords:
+            values.update(info.locals[info.keywords])
+        wanted = names or tuple(values)
+        missing = [n for n in wanted if n not in values]
+        if missing:
+            raise ValueError(f"save_hyperparameters: no __init__ argument named {missing}")
+        self.hparams.update({n: values[n] for n in wanted if n not in ignore})
+
+    @classmethod
+    def _overrides(cls, hook: str) -> bool:
+        return getattr(cls, hook) is not getattr(JaxModule, hook)

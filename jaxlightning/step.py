@@ -1,0 +1,169 @@
+"""Pure per-device step functions: train, eval and predict.
+
+Each builder returns a function of *one device's shard* that runs inside the
+strategy's SPMD context (`jax.pmap` or `jax.shard_map`) over the axis `AXIS`.
+Everything that crosses devices goes through one `psum` per step. No I/O and no
+reference to the Trainer: the functions close over the module and optimizer only.
+
+Metrics are `clu.metrics.Average` values (masked total and count) keyed by name;
+a step adds its batch's metrics into the accumulator it is given, so averages
+over many steps stay exact and are fetched to the host only when reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from clu import metrics as clu_metrics
+
+from jaxlightning.module import JaxModule
+from jaxlightning.state import TrainState
+
+AXIS = "batch"
+Metrics = dict[str, clu_metrics.Average]
+
+
+def device_keys(rng: jax.Array, step: jax.Array, streams: tuple[str, ...]) -> dict[str, jax.Array]:
+    """Keys for one device and one step, one per named stream, derived on device."""
+    key = jax.random.fold_in(jax.random.fold_in(rng, step), jax.lax.axis_index(AXIS))
+    return {name: jax.random.fold_in(key, i) for i, name in enumerate(streams)}
+
+
+def _average(name: str, value: Any, mask: jax.Array) -> clu_metrics.Average:
+    """A logged value as a masked average over the real examples of the shard."""
+    value = jnp.asarray(value)
+    if value.ndim == 0:
+        value = jnp.broadcast_to(value, mask.shape)
+    elif value.shape != mask.shape:
+        raise ValueError(
+            f"self.log({name!r}, ...) got an array of shape {value.shape}; log a scalar "
+            f"or a per-example vector of shape {mask.shape} (this device's shard)"
+        )
+    if not (jnp.issubdtype(value.dtype, jnp.number) or value.dtype == jnp.bool_):
+        raise TypeError(f"self.log({name!r}, ...) got dtype {value.dtype}; log numbers")
+    return clu_metrics.Average.from_model_output(value.astype(jnp.float32), mask=mask)
+
+
+def _logged_metrics(logged: Mapping[str, Any], mask: jax.Array) -> Metrics:
+    return {name: _average(name, value, mask) for name, value in logged.items()}
+
+
+def _merge(acc: Metrics | None, new: Metrics) -> Metrics:
+    if acc is None:
+        return new
+    return {name: acc[name].merge(metric) for name, metric in new.items()}
+
+
+def _split_loss_output(out: Any, model_state: Mapping[str, Any]) -> tuple[Any, dict]:
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], Mapping):
+            raise TypeError(
+                "loss() returned a tuple; it must be (loss, updates) with updates a dict "
+                "of mutated collections such as {'batch_stats': ...}"
+            )
+        loss, updates = out
+        unknown = sorted(set(updates) - set(model_state))
+        if unknown:
+            raise ValueError(
+                f"loss() returned updates for collections {unknown} that setup() did not "
+                f"create; setup() created {sorted(model_state)}"
+            )
+        return loss, dict(updates)
+    return out, {}
+
+
+def _masked_loss_sum(loss: Any, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sum over real examples, number of real examples) of one shard's loss."""
+    loss = jnp.asarray(loss)
+    real = mask.sum(dtype=jnp.int32)
+    if loss.shape == ():
+        # A scalar is taken as the shard's mean; weighting it by the shard's real
+        # examples makes the cross-device mean exact whatever the padding.
+        return loss.astype(jnp.float32) * real, real
+    if loss.shape == mask.shape:
+        return jnp.where(mask, loss, 0).astype(jnp.float32).sum(), real
+    raise ValueError(
+        f"loss() returned shape {loss.shape}; return a scalar or a per-example vector "
+        f"of shape {mask.shape} (this device's shard), or (loss, updates)"
+    )
+
+
+def _pmean_floats(summed: Any, original: Any, n_devices: int) -> Any:
+    def mean(s: jax.Array, o: jax.Array) -> jax.Array:
+        return s / n_devices if jnp.issubdtype(o.dtype, jnp.floating) else o
+
+    return jax.tree.map(mean, summed, original)
+
+
+def build_train_step(
+    module: JaxModule, tx: optax.GradientTransformation
+) -> Callable[[TrainState, Metrics | None, Any, jax.Array], tuple[TrainState, Metrics]]:
+    """Per-device train step ``(state, acc, batch, mask) -> (state, acc)``.
+
+    The gradient is that of the loss summed over the real examples of the global
+    batch divided by their number: exact on padded batches, and equal to the
+    seeds' ``pmean`` of per-device mean gradients on full ones.
+    """
+
+    def jl_train_step(state, acc, batch, mask):
+        rngs = device_keys(state.rng, state.step, module.rng_streams)
+
+        def objective(params):
+            variables = {"params": params, **state.model_state}
+            with module._collect_logs() as logged:
+                out = module.loss(variables, batch, rngs)
+            loss, updates = _split_loss_output(out, state.model_state)
+            total, count = _masked_loss_sum(loss, mask)
+            metrics = _logged_metrics(logged, mask)
+            metrics["loss"] = clu_metrics.Average(total=total, count=count)
+            return total, (metrics, updates)
+
+        grads, (metrics, updates) = jax.grad(objective, has_aux=True)(state.params)
+        grads, metrics, summed_updates = jax.lax.psum((grads, metrics, updates), AXIS)
+        n_real = metrics["loss"].count
+        grads = jax.tree.map(lambda g: g / n_real, grads)
+        updates = _pmean_floats(summed_updates, updates, jax.lax.axis_size(AXIS))
+        return state.apply_gradients(tx, grads, updates), _merge(acc, metrics)
+
+    return jl_train_step
+
+
+def build_eval_step(
+    module: JaxModule,
+) -> Callable[[dict[str, Any], Metrics | None, Any, jax.Array], Metrics]:
+    """Per-device eval step ``(variables, acc, batch, mask) -> acc``."""
+
+    def jl_eval_step(variables, acc, batch, mask):
+        with module._collect_logs() as logged:
+            module.eval_step(variables, batch)
+        if not logged:
+            raise ValueError(
+                f"{type(module).__name__}.eval_step logged nothing; call self.log(name, "
+                "value) in it for each metric to report"
+            )
+        metrics = jax.lax.psum(_logged_metrics(logged, mask), AXIS)
+        return _merge(acc, metrics)
+
+    return jl_eval_step
+
+
+def build_predict_step(module: JaxModule) -> Callable[[dict[str, Any], Any], Any]:
+    """Per-device predict step ``(variables, batch) -> outputs`` (per-example rows)."""
+
+    def jl_predict_step(variables, batch):
+        out = module.predict_step(variables, batch)
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+            shape = jnp.shape(leaf)
+            if not shape or shape[0] != rows:
+                raise ValueError(
+                    f"predict_step output{jax.tree_util.keystr(path)} has shape {shape}; "
+                    f"every output must have one row per example ({rows} on this device)"
+                )
+        return out
+
+    return jl_predict_step

@@ -1,0 +1,90 @@
+"""The `Strategy` interface: how state and batches are laid over devices."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jaxlightning.step import AXIS
+
+
+class Strategy(abc.ABC):
+    """Places data on the local devices and compiles per-device functions.
+
+    A per-device function sees one device's shard of each batch and replicated
+    copies of everything else; inside it, collectives use the axis name
+    `jaxlightning.step.AXIS`. Implementations differ only in how they express this
+    SPMD program; they must give the same numbers.
+
+    Contract, in the order the Trainer calls it:
+      * `setup(devices)` once per run, before anything is placed.
+      * `replicate(tree)` puts a full copy of ``tree`` on every device.
+      * `put_batch(tree)` places a host batch (numpy, leading dimension a multiple
+        of `num_devices`) split along its leading axis. May run on a background
+        thread.
+      * `compile(fn, ...)` wraps a per-device function once; the result takes
+        replicated and sharded arguments as returned by the two methods above.
+      * `unreplicate(tree)` gives one copy of a replicated output;
+        `gather(tree)` gives a sharded output back as host arrays with the global
+        leading dimension.
+
+    Attributes:
+        max_in_flight: the most steps the Trainer dispatches before waiting for
+            the oldest to finish. Bounding it caps memory and avoids the XLA CPU
+            collectives deadlock of long runs of queued all-reduces.
+    """
+
+    name: str = "base"
+    axis_name: str = AXIS
+
+    def __init__(self, *, max_in_flight: int = 2) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.max_in_flight = max_in_flight
+        self.devices: list[jax.Device] = []
+
+    def setup(self, devices: Sequence[jax.Device]) -> None:
+        self.devices = list(devices)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @abc.abstractmethod
+    def replicate(self, tree: Any) -> Any: ...
+
+    @abc.abstractmethod
+    def unreplicate(self, tree: Any) -> Any: ...
+
+    @abc.abstractmethod
+    def put_batch(self, tree: Any) -> Any: ...
+
+    @abc.abstractmethod
+    def gather(self, tree: Any) -> Any: ...
+
+    @abc.abstractmethod
+    def compile(
+        self,
+        fn: Callable[..., Any],
+        *,
+        sharded_args: Sequence[bool],
+        sharded_out: Any,
+        donate_argnums: tuple[int, ...] = (),
+    ) -> Callable[..., Any]:
+        """Compiles per-device ``fn``.
+
+        Args:
+            fn: the per-device function.
+            sharded_args: per positional argument, whether it is a batch-sharded
+                value (else replicated).
+            sharded_out: a pytree prefix of ``fn``'s output of bools, the same.
+            donate_argnums: arguments whose buffers the result may reuse.
+        """
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(devices={self.num_devices})"
+
+

