@@ -1,0 +1,125 @@
+"""Shared models, data and independent (numpy) reference computations."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import torch
+from sklearn.datasets import load_digits
+from torch.utils.data import DataLoader, TensorDataset
+
+import jaxlightning as jl
+
+
+class CompileCounter:
+    """A jax.monitoring listener counting backend compilations per function."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def __call__(self, event: str, duration: float, **kwargs: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.counts[str(kwargs.get("fun_name", ""))] += 1
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    def matching(self, fragment: str) -> int:
+        return sum(n for name, n in self.counts.items() if fragment in name)
+
+
+class MLP(nn.Module):
+    hidden: int = 32
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        for _ in range(2):
+            x = nn.relu(nn.Dense(self.hidden)(x))
+            if self.dropout:
+                x = nn.Dropout(self.dropout, deterministic=not train)(x)
+        return nn.Dense(10)(x)
+
+
+class LitMLP(jl.JaxModule):
+    """An MLP classifier on batches ``(x, y)``; optionally with fixed initial variables."""
+
+    def __init__(self, hidden=32, lr=1e-2, dropout=0.0, init_variables=None, scalar_loss=False):
+        super().__init__()
+        self.save_hyperparameters(ignore=("init_variables",))
+        self.net = MLP(hidden, dropout)
+        self.init_variables = init_variables
+
+    def setup(self, rng, batch):
+        if self.init_variables is not None:
+            return self.init_variables
+        return self.net.init(rng, batch[0])
+
+    def configure_optimizers(self):
+        return optax.sgd(self.hparams.lr) if self.hparams.lr == 0 else optax.adam(self.hparams.lr)
+
+    def loss(self, variables, batch, rngs):
+        x, y = batch
+        logits = self.net.apply(variables, x, train=True, rngs=rngs)
+        self.log("acc", logits.argmax(-1) == y)
+        per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        return per_example.mean() if self.hparams.scalar_loss else per_example
+
+    def eval_step(self, variables, batch):
+        x, y = batch
+        logits = self.net.apply(variables, x)
+        self.log("loss", optax.softmax_cross_entropy_with_integer_labels(logits, y))
+        self.log("acc", logits.argmax(-1) == y)
+
+    def predict_step(self, variables, batch):
+        return {"logits": self.net.apply(variables, batch[0])}
+
+
+def digits(n: int | None = None, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    y = y.astype(np.int64)
+    end = None if n is None else offset + n
+    return x[offset:end], y[offset:end]
+
+
+def loader(x, y, batch_size, shuffle=False, seed=0) -> DataLoader:
+    ds = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+    gen = torch.Generator().manual_seed(seed)
+    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, generator=gen)
+
+
+def init_mlp(hidden=32, seed=0) -> dict:
+    return MLP(hidden).init(jax.random.PRNGKey(seed), np.zeros((1, 64), np.float32))
+
+
+def np_logits(params, x) -> np.ndarray:
+    """The MLP's forward pass in float64 numpy."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    h = np.asarray(x, np.float64)
+    for i in range(2):
+        h = np.maximum(h @ p[f"Dense_{i}"]["kernel"] + p[f"Dense_{i}"]["bias"], 0)
+    return h @ p["Dense_2"]["kernel"] + p["Dense_2"]["bias"]
+
+
+def np_cross_entropy(logits, y) -> np.ndarray:
+    m = logits.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[:, 0]
+    return lse - logits[np.arange(len(y)), y]
+
+
+def quiet_trainer(**kwargs) -> jl.Trainer:
+    kwargs.setdefault("enable_progress_bar", False)
+    kwargs.setdefault("logger", False)
+    return jl.Trainer(**kwargs)
+
+
+def max_abs_diff(a, b) -> float:
+    return max(
+        float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64))))
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
