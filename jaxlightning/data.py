@@ -41,6 +41,11 @@ def _leaf_to_numpy(x: Any) -> Any:
     return np.asarray(x)
 
 
+def _not_numeric(dtype: np.dtype) -> bool:
+    # ml_dtypes types (bfloat16, float8...) have kind "V" too, but are not np.void.
+    return dtype.kind in "OSU" or dtype.type is np.void
+
+
 def _where(path: Any) -> str:
     return "batch" + jax.tree_util.keystr(path)
 
@@ -59,7 +64,7 @@ def to_numpy(batch: Any) -> Any:
     converted = jax.tree.map(_leaf_to_numpy, batch)
     first_path, first = None, None
     for path, leaf in jax.tree_util.tree_flatten_with_path(converted)[0]:
-        if isinstance(leaf, (str, bytes)) or leaf.dtype.kind in "OSUV":
+        if isinstance(leaf, (str, bytes)) or _not_numeric(leaf.dtype):
             kind = type(leaf).__name__ if isinstance(leaf, (str, bytes)) else leaf.dtype
             raise BatchError(
                 f"{_where(path)} holds {kind} data; only numeric arrays can go to devices. "

@@ -73,10 +73,9 @@ class TensorBoardLogger(Logger):
             self.writer.add_scalar(name, value, global_step=step)
 
     def finalize(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-
-    def close(self) -> None:
+        # tensorboardX queues events for a writer thread that flush() does not
+        # wait for; close() drains it. A later call opens a new event file in
+        # the same run directory, which TensorBoard reads as one run.
         if self._writer is not None:
             self._writer.close()
             self._writer = None

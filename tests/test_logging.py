@@ -1,0 +1,109 @@
+"""TensorBoard output, read back with TensorBoard's own reader; callbacks; the bar."""
+
+import os
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+import jaxlightning as jl
+from tests.helpers import LitMLP, digits, loader
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tb")
+    x, y = digits(203)  # 7 steps per epoch
+    recorder = Recorder()
+    trainer = jl.Trainer(
+        max_epochs=3,
+        log_every_n_steps=5,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        callbacks=[recorder],
+    )
+    model = LitMLP(hidden=16, lr=3e-3)
+    trainer.fit(model, loader(x, y, 32), loader(x[:50], y[:50], 32))
+    second = jl.Trainer(max_steps=1, default_root_dir=root, enable_progress_bar=False)
+    second.fit(LitMLP(hidden=16), loader(x, y, 32))
+    events = EventAccumulator(trainer.log_dir)
+    events.Reload()
+    return trainer, second, events, recorder, root
+
+
+class Recorder(jl.Callback):
+    def __init__(self):
+        self.calls, self.val_acc = [], []
+
+    def on_fit_start(self, trainer, module):
+        self.calls.append("fit_start")
+
+    def on_train_epoch_end(self, trainer, module):
+        self.calls.append(f"epoch_end_{trainer.current_epoch}")
+        self.val_acc.append(trainer.callback_metrics["val/acc"])
+
+    def on_validation_end(self, trainer, module):
+        self.calls.append("val_end")
+
+    def on_fit_end(self, trainer, module):
+        self.calls.append("fit_end")
+
+
+def test_each_run_gets_its_own_version_directory(run):
+    trainer, second, _, _, root = run
+    assert trainer.log_dir == os.path.join(root, "lightning_logs", "version_0")
+    assert second.log_dir == os.path.join(root, "lightning_logs", "version_1")
+    assert sorted(os.listdir(os.path.join(root, "lightning_logs"))) == ["version_0", "version_1"]
+
+
+def test_train_loss_logged_every_n_steps(run):
+    _, _, events, _, _ = run
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps == [5, 10, 15, 20]  # 21 steps in all
+    assert [e.step for e in events.Scalars("train/acc")] == steps
+
+
+def test_val_metrics_logged_once_per_epoch_with_epoch(run):
+    trainer, _, events, recorder, _ = run
+    val = events.Scalars("val/acc")
+    assert [e.step for e in val] == [7, 14, 21]
+    assert [round(e.value, 6) for e in val] == [round(v, 6) for v in recorder.val_acc]
+    assert "epoch" in events.Tags()["scalars"]
+    assert trainer.logged_metrics["epoch"] == 2.0
+
+
+def test_hparams_written_into_the_same_run(run):
+    _, _, events, _, _ = run
+    content = events.PluginTagToContent("hparams")
+    info = plugin_data_pb2.HParamsPluginData.FromString(
+        content["_hparams_/session_start_info"]
+    ).session_start_info
+    assert info.hparams["hidden"].number_value == 16
+    assert info.hparams["lr"].number_value == pytest.approx(3e-3)
+    assert info.hparams["scalar_loss"].bool_value is False
+
+
+def test_callbacks_called_in_order(run):
+    _, _, _, recorder, _ = run
+    assert recorder.calls == [
+        "fit_start",
+        "val_end", "epoch_end_0",
+        "val_end", "epoch_end_1",
+        "val_end", "epoch_end_2",
+        "fit_end",
+    ]
+
+
+def test_current_epoch_counts_completed_epochs(run):
+    trainer, second, _, _, _ = run
+    assert trainer.current_epoch == 3 and trainer.global_step == 21
+    assert second.current_epoch == 0 and second.global_step == 1
+
+
+def test_progress_bar_shows_epochs_and_metrics(tmp_path, capsys):
+    x, y = digits(96)
+    trainer = jl.Trainer(max_epochs=2, log_every_n_steps=1, logger=False)
+    trainer.fit(LitMLP(hidden=16), loader(x, y, 32), loader(x, y, 32))
+    err = capsys.readouterr().err
+    assert "Epoch 0" in err and "Epoch 1" in err and "Validation" in err
+    assert "train/loss=" in err and "val/acc=" in err
