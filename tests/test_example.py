@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -12,6 +13,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.py"
 def test_digits_example_reaches_95_percent_on_all_devices(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("digits_example", EXAMPLE)
     digits = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = digits  # flax modules are dataclasses: they need it
     spec.loader.exec_module(digits)
     acc = digits.main(["--root-dir", str(tmp_path), "--no-progress-bar"])
     out = capsys.readouterr().out
