@@ -63,9 +63,7 @@ def _zeros_like_metrics(fn: Any, *args: Any) -> Metrics:
     Traces ``fn`` abstractly under `jax.vmap` over a one-device axis, which
     provides the collective axis without compiling or touching devices.
     """
-    shapes = jax.eval_shape(
-        jax.vmap(fn, axis_name=AXIS, in_axes=(None, None, 0, 0)), *args
-    )
+    shapes = jax.eval_shape(jax.vmap(fn, axis_name=AXIS, in_axes=(None, None, 0, 0)), *args)
     metrics = shapes[1] if isinstance(shapes, tuple) else shapes
     return jax.tree.map(lambda s: np.zeros(s.shape[1:], s.dtype), metrics)
 
@@ -120,9 +118,7 @@ class Trainer:
         if log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
         if check_val_every_n_epoch < 1:
-            raise ValueError(
-                f"check_val_every_n_epoch must be >= 1, got {check_val_every_n_epoch}"
-            )
+            raise ValueError(f"check_val_every_n_epoch must be >= 1, got {check_val_every_n_epoch}")
         self.max_epochs = max_epochs
         self.max_steps = max_steps
         self.log_every_n_steps = log_every_n_steps
@@ -243,9 +239,7 @@ class Trainer:
         if not isinstance(module, JaxModule):
             raise TypeError(f"expected a jaxlightning.JaxModule, got {type(module).__name__}")
         if not hasattr(module, "_log_sink"):
-            raise TypeError(
-                f"{type(module).__name__}.__init__ must call super().__init__() first"
-            )
+            raise TypeError(f"{type(module).__name__}.__init__ must call super().__init__() first")
         for hook in hooks:
             if not type(module)._overrides(hook):
                 raise NotImplementedError(
@@ -277,7 +271,10 @@ class Trainer:
         step_fn = build_train_step(module, tx)
         rows = first.host.mask.shape[0] // self.num_devices
         acc0 = _zeros_like_metrics(
-            step_fn, state, None, _leading_one(first.host.data, rows),
+            step_fn,
+            state,
+            None,
+            _leading_one(first.host.data, rows),
             jax.ShapeDtypeStruct((1, rows), bool),
         )
         train_step = self.strategy.compile(
@@ -296,8 +293,10 @@ class Trainer:
         if self.logger is not None and module.hparams:
             self.logger.log_hyperparams(module.hparams)
         self._call("on_fit_start", module)
-        epochs = range(self.current_epoch, self.max_epochs) if self.max_epochs else itertools.count(
-            self.current_epoch
+        epochs = (
+            range(self.current_epoch, self.max_epochs)
+            if self.max_epochs
+            else itertools.count(self.current_epoch)
         )
         try:
             for epoch in epochs:
@@ -381,9 +380,7 @@ class Trainer:
             )
         return self.strategy.replicate(self._init_state(module, None, first))
 
-    def _evaluate(
-        self, stage: str, module: JaxModule, dataloaders: Any
-    ) -> list[dict[str, float]]:
+    def _evaluate(self, stage: str, module: JaxModule, dataloaders: Any) -> list[dict[str, float]]:
         loaders = list(dataloaders) if isinstance(dataloaders, (list, tuple)) else [dataloaders]
         prefix = _STAGE_PREFIX[stage]
         results = []

@@ -87,9 +87,12 @@ def test_callbacks_called_in_order(run):
     _, _, _, recorder, _ = run
     assert recorder.calls == [
         "fit_start",
-        "val_end", "epoch_end_0",
-        "val_end", "epoch_end_1",
-        "val_end", "epoch_end_2",
+        "val_end",
+        "epoch_end_0",
+        "val_end",
+        "epoch_end_1",
+        "val_end",
+        "epoch_end_2",
         "fit_end",
     ]
 

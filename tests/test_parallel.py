@@ -8,7 +8,7 @@ import optax
 import pytest
 from flax.training import train_state
 
-from jaxlightning.step import AXIS, device_keys
+from jaxlightning.step import device_keys
 from jaxlightning.strategies import PmapStrategy, ShardMapStrategy
 from tests.helpers import MLP, LitMLP, digits, init_mlp, loader, max_abs_diff, quiet_trainer
 
@@ -112,7 +112,10 @@ def test_same_seed_reproduces_dropout_run_exactly_and_other_seed_differs():
         return jax.tree.map(np.asarray, trainer.state.params)
 
     first, again, other = run(1), run(1), run(2)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)))
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again), strict=True)
+    )
     assert max_abs_diff(first, other) > 1e-4
 
 

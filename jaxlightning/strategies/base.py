@@ -86,5 +86,3 @@ class Strategy(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={self.num_devices})"
-
-
