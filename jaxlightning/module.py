@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -153,6 +154,33 @@ class JaxModule:
         if missing:
             raise ValueError(f"save_hyperparameters: no __init__ argument named {missing}")
         self.hparams.update({n: values[n] for n in wanted if n not in ignore})
+
+    @classmethod
+    def load_from_checkpoint(cls, path: str | os.PathLike[str], **overrides: Any) -> JaxModule:
+        """Rebuilds the module from a checkpoint's hyperparameters and variables.
+
+        Args:
+            path: a checkpoint folder (``ModelCheckpoint.best_model_path``, say).
+            **overrides: constructor arguments to use instead of the saved ones
+                (needed for hyperparameters that JSON cannot hold).
+
+        Returns:
+            ``cls(**hparams)`` with ``variables`` set, ready for
+            ``trainer.validate``, ``test`` or ``predict``.
+        """
+        from jaxlightning.checkpoint import read_meta, restore_variables
+
+        hparams = dict(read_meta(path).get("hparams", {}))
+        hparams.update(overrides)
+        opaque = sorted(k for k, v in hparams.items() if isinstance(v, dict) and "__repr__" in v)
+        if opaque:
+            raise ValueError(
+                f"hyperparameters {opaque} of checkpoint {path} could not be stored as JSON; "
+                f"pass them to load_from_checkpoint, e.g. {opaque[0]}=..."
+            )
+        module = cls(**hparams)
+        module.variables = restore_variables(path)
+        return module
 
     @classmethod
     def _overrides(cls, hook: str) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -25,6 +26,21 @@ from jaxlightning.state import TrainState
 
 AXIS = "batch"
 Metrics = dict[str, clu_metrics.Average]
+
+
+@flax.struct.dataclass
+class TrainMetrics:
+    """What train steps accumulate between two reports.
+
+    Attributes:
+        metrics: logged values by name, ``"loss"`` among them.
+        first_nonfinite: the first global step (1-based) whose loss was not
+            finite, or 0. Checked on the host at each report and before each
+            checkpoint, so detecting a bad loss costs no per-step sync.
+    """
+
+    metrics: Metrics
+    first_nonfinite: jax.Array
 
 
 def device_keys(rng: jax.Array, step: jax.Array, streams: tuple[str, ...]) -> dict[str, jax.Array]:
@@ -56,6 +72,14 @@ def _merge(acc: Metrics | None, new: Metrics) -> Metrics:
     if acc is None:
         return new
     return {name: acc[name].merge(metric) for name, metric in new.items()}
+
+
+def _merge_train(acc: TrainMetrics | None, new: Metrics, step: jax.Array) -> TrainMetrics:
+    bad = jnp.where(jnp.isfinite(new["loss"].total), 0, step).astype(jnp.int32)
+    if acc is None:
+        return TrainMetrics(new, bad)
+    first = jnp.where(acc.first_nonfinite > 0, acc.first_nonfinite, bad)
+    return TrainMetrics(_merge(acc.metrics, new), first)
 
 
 def _split_loss_output(out: Any, model_state: Mapping[str, Any]) -> tuple[Any, dict]:
@@ -101,7 +125,7 @@ def _pmean_floats(summed: Any, original: Any, n_devices: int) -> Any:
 
 def build_train_step(
     module: JaxModule, tx: optax.GradientTransformation
-) -> Callable[[TrainState, Metrics | None, Any, jax.Array], tuple[TrainState, Metrics]]:
+) -> Callable[[TrainState, TrainMetrics | None, Any, jax.Array], tuple[TrainState, TrainMetrics]]:
     """Per-device train step ``(state, acc, batch, mask) -> (state, acc)``.
 
     The gradient is that of the loss summed over the real examples of the global
@@ -127,7 +151,8 @@ def build_train_step(
         n_real = metrics["loss"].count
         grads = jax.tree.map(lambda g: g / n_real, grads)
         updates = _pmean_floats(summed_updates, updates, jax.lax.axis_size(AXIS))
-        return state.apply_gradients(tx, grads, updates), _merge(acc, metrics)
+        new_state = state.apply_gradients(tx, grads, updates)
+        return new_state, _merge_train(acc, metrics, new_state.step)
 
     return jl_train_step
 

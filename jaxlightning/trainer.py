@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
+import re
 import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -13,14 +15,18 @@ import jax
 import numpy as np
 import optax
 
-from jaxlightning.callbacks import Callback, TQDMProgressBar
+from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
+from jaxlightning.checkpoint import find_last, json_safe, read_meta, restore, restore_variables
 from jaxlightning.data import DeviceBatch, Padder, Prefetcher, loader_batch_size
 from jaxlightning.loggers import Logger, TensorBoardLogger
 from jaxlightning.module import JaxModule
+from jaxlightning.sampling import epoch_loader
+from jaxlightning.signals import StopRequest
 from jaxlightning.state import TrainState, create_train_state
 from jaxlightning.step import (
     AXIS,
     Metrics,
+    TrainMetrics,
     build_eval_step,
     build_predict_step,
     build_train_step,
@@ -28,6 +34,10 @@ from jaxlightning.step import (
 from jaxlightning.strategies import Strategy, resolve_strategy
 
 _STAGE_PREFIX = {"validation": "val", "test": "test"}
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or infinite."""
 
 
 def _resolve_devices(devices: int | str | Sequence[jax.Device]) -> list[jax.Device]:
@@ -94,8 +104,17 @@ class Trainer:
         default_root_dir: where logs go (default: the working directory).
         logger: ``True`` for a `TensorBoardLogger`, ``False`` for none, or a `Logger`.
         enable_progress_bar: show tqdm bars.
-        seed: seeds initialisation and every per-device, per-step key.
+        seed: seeds initialisation, every per-device, per-step key, and the
+            order of shuffled DataLoaders (seeded per epoch).
         callbacks: `Callback` instances, called in order.
+        enable_checkpointing: add a default `ModelCheckpoint` (checkpoint after
+            every epoch, keep the last) unless ``callbacks`` has one.
+        stop_on_nonfinite_loss: raise `NonFiniteLossError` when the loss becomes
+            NaN or infinite (detected at the next report or checkpoint, without a
+            per-step sync; a bad state is never checkpointed).
+        use_distributed_sampler: let the Trainer own the order of plain
+            DataLoaders (seeded per epoch), which makes runs reproducible and
+            resumable mid-epoch without reloading consumed batches.
     """
 
     def __init__(
@@ -112,6 +131,9 @@ class Trainer:
         enable_progress_bar: bool = True,
         seed: int = 0,
         callbacks: Sequence[Callback] | None = None,
+        enable_checkpointing: bool = True,
+        stop_on_nonfinite_loss: bool = True,
+        use_distributed_sampler: bool = True,
     ) -> None:
         if max_epochs is None and max_steps == -1:
             max_epochs = 1000
@@ -131,6 +153,10 @@ class Trainer:
             logger = TensorBoardLogger(self.default_root_dir)
         self.logger: Logger | None = logger or None
         self.callbacks: list[Callback] = list(callbacks or [])
+        if enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
+            self.callbacks.append(ModelCheckpoint())
+        self.stop_on_nonfinite_loss = stop_on_nonfinite_loss
+        self.use_distributed_sampler = use_distributed_sampler
         if enable_progress_bar and not any(isinstance(c, TQDMProgressBar) for c in self.callbacks):
             self.callbacks.append(TQDMProgressBar())
 
@@ -141,7 +167,12 @@ class Trainer:
         self.num_training_batches: int | None = None
         self.num_eval_batches: int | None = None
         self.should_stop = False
+        self.epoch_completed = False
         self._state: TrainState | None = None
+        self._acc: TrainMetrics | None = None
+        self._progress = (0, 0)  # (epoch, batch) of the next batch to train on
+        self._epoch_offset = 0  # global step before the current epoch's batch 0
+        self._stop_request = StopRequest()
         self._in_flight: deque[Any] = deque()
         self._eval_fns: dict[Any, Any] = {}
         self._fit_module: JaxModule | None = None
@@ -177,7 +208,9 @@ class Trainer:
         while self._in_flight:
             jax.block_until_ready(self._in_flight.popleft())
 
-    def _batches(self, loader: Iterable[Any], name: str) -> tuple[DeviceBatch, Iterator[Any]]:
+    def _batches(
+        self, loader: Iterable[Any], name: str, *, allow_empty: bool = False
+    ) -> tuple[DeviceBatch | None, Iterator[DeviceBatch]]:
         """Starts prefetching ``loader``; returns its first batch and the iterator."""
         padder = Padder(self.num_devices, loader_batch_size(loader))
         put = self.strategy.put_batch
@@ -193,6 +226,8 @@ class Trainer:
             first = next(iterator)
         except StopIteration:
             prefetcher.close()
+            if allow_empty:
+                return None, iter(())
             raise ValueError(
                 f"{name} yielded no batches; check the dataset's length and the "
                 "DataLoader's drop_last setting"
@@ -253,8 +288,19 @@ class Trainer:
         module: JaxModule,
         train_dataloaders: Iterable[Any],
         val_dataloaders: Iterable[Any] | Sequence[Iterable[Any]] | None = None,
+        *,
+        ckpt_path: str | os.PathLike[str] | None = None,
     ) -> None:
-        """Trains ``module``; validates on ``val_dataloaders`` per the schedule."""
+        """Trains ``module``; validates on ``val_dataloaders`` per the schedule.
+
+        Args:
+            module: the model.
+            train_dataloaders: the training batches (a DataLoader, usually).
+            val_dataloaders: one loader or a list, or ``None``.
+            ckpt_path: resume from a checkpoint: ``"last"``, ``"best"`` or a
+                checkpoint folder. The run continues exactly where it stopped,
+                mid-epoch included.
+        """
         self._check_module(module, "setup", "configure_optimizers", "loss")
         if val_dataloaders is not None:
             self._check_module(module, "eval_step")
@@ -264,19 +310,37 @@ class Trainer:
                 f"configure_optimizers() returned {type(tx).__name__}; return an optax "
                 "GradientTransformation such as optax.adam(1e-3)"
             )
+        resume = self._resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
+        meta = read_meta(resume) if resume else None
+        if meta is not None:
+            self._adopt_log_dir(meta.get("log_dir"))
+            progress = meta["progress"]
+            self.current_epoch, skip = progress["epoch"], progress["batch"]
+            self.global_step = progress["global_step"]
+        else:
+            skip = 0
 
-        first, batches = self._batches(train_dataloaders, "train_dataloaders")
-        state = self._init_state(module, tx, first)
-
+        first, batches = self._epoch_batches(train_dataloaders, self.current_epoch, skip)
+        if first is None:  # a resumed epoch with no batches left
+            example_first, example_batches = self._epoch_batches(train_dataloaders, 0, 0)
+            example_batches.close()
+        else:
+            example_first = first
+        state = self._init_state(module, tx, example_first)
         step_fn = build_train_step(module, tx)
-        rows = first.host.mask.shape[0] // self.num_devices
+        rows = example_first.host.mask.shape[0] // self.num_devices
         acc0 = _zeros_like_metrics(
             step_fn,
             state,
             None,
-            _leading_one(first.host.data, rows),
+            _leading_one(example_first.host.data, rows),
             jax.ShapeDtypeStruct((1, rows), bool),
         )
+        acc = acc0
+        if resume is not None:
+            restored = restore(resume, {"state": state, "acc": acc0})
+            state, acc = restored["state"], restored["acc"]
+            self._load_callback_states(meta.get("callbacks", {}))
         train_step = self.strategy.compile(
             step_fn,
             sharded_args=(False, False, True, True),
@@ -285,51 +349,69 @@ class Trainer:
         )
         self._state = self.strategy.replicate(state)
         acc0 = self.strategy.replicate(acc0)
-        acc = acc0
+        self._acc = self.strategy.replicate(acc)
         self._eval_fns.clear()
         self._fit_module = module
         self.should_stop = False
+        self._progress = (self.current_epoch, skip)
 
-        if self.logger is not None and module.hparams:
+        if self.logger is not None and module.hparams and resume is None:
             self.logger.log_hyperparams(module.hparams)
         self._call("on_fit_start", module)
         epochs = (
             range(self.current_epoch, self.max_epochs)
-            if self.max_epochs
+            if self.max_epochs is not None
             else itertools.count(self.current_epoch)
         )
         try:
-            for epoch in epochs:
-                self.current_epoch = epoch
-                self.num_training_batches = self._num_batches(train_dataloaders)
-                if batches is None:
-                    _, batches = self._batches(train_dataloaders, "train_dataloaders")
-                self._call("on_train_epoch_start", module)
-                completed = False
-                for batch_idx, batch in enumerate(batches):
-                    self._state, acc = train_step(self._state, acc, batch.data, batch.mask)
-                    self._throttle(acc)
-                    self.global_step += 1
-                    if self.global_step % self.log_every_n_steps == 0:
-                        self._report_train(acc, log=True)
-                        acc = acc0
-                    self._call("on_train_batch_end", module, batch_idx)
+            with self._stop_request:
+                for epoch in epochs:
                     if self._step_limit_reached():
-                        self.should_stop = True
                         break
-                else:
-                    completed = True
-                batches.close()
-                batches = None
-                self._report_train(acc, log=False)
-                if val_dataloaders is not None and (epoch + 1) % self.check_val_every_n_epoch == 0:
-                    results = self._evaluate("validation", module, val_dataloaders)
-                    self._log({k: v for r in results for k, v in r.items()})
-                self._call("on_train_epoch_end", module)
-                if completed:
-                    self.current_epoch = epoch + 1
-                if self.should_stop:
-                    break
+                    self.current_epoch = epoch
+                    self.epoch_completed = False
+                    if batches is None:
+                        _, batches = self._epoch_batches(train_dataloaders, epoch, 0)
+                    self._epoch_offset = self.global_step - skip
+                    self.num_training_batches = self._num_batches(train_dataloaders, skip)
+                    self._call("on_train_epoch_start", module)
+                    for batch_idx, batch in enumerate(batches, start=skip):
+                        if self._step_limit_reached() or self._stop_request.signum:
+                            self.should_stop = True
+                            break
+                        self._state, self._acc = train_step(
+                            self._state, self._acc, batch.data, batch.mask
+                        )
+                        self._throttle(self._acc)
+                        self.global_step += 1
+                        self._progress = (epoch, batch_idx + 1)
+                        if self.global_step % self.log_every_n_steps == 0:
+                            self._report_train(log=True)
+                            self._acc = acc0
+                        self._call("on_train_batch_end", module, batch_idx)
+                    else:
+                        self.epoch_completed = True
+                    batches.close()
+                    batches, skip = None, 0
+                    if self._stop_request.signum:
+                        self._stop_on_signal(module)
+                    if self.epoch_completed:
+                        self._report_train(log=False)
+                        if val_dataloaders is not None and (
+                            (epoch + 1) % self.check_val_every_n_epoch == 0
+                        ):
+                            results = self._evaluate("validation", module, val_dataloaders)
+                            self._log({k: v for r in results for k, v in r.items()})
+                        self._progress = (epoch + 1, 0)
+                    self._call("on_train_epoch_end", module)
+                    if self.epoch_completed:
+                        self.current_epoch = epoch + 1
+                    if self.should_stop:
+                        break
+                self._report_train(log=False)
+        except BaseException:
+            self._call("teardown", module)
+            raise
         finally:
             if batches is not None:
                 batches.close()
@@ -339,23 +421,47 @@ class Trainer:
         module.variables = self.strategy.unreplicate(self._state).variables
         self._call("on_fit_end", module)
 
+    def _epoch_batches(
+        self, loader: Iterable[Any], epoch: int, skip: int
+    ) -> tuple[DeviceBatch | None, Iterator[DeviceBatch]]:
+        ordered = epoch_loader(
+            loader,
+            epoch=epoch,
+            seed=self.seed,
+            skip_batches=skip,
+            own=self.use_distributed_sampler,
+        )
+        return self._batches(ordered, "train_dataloaders", allow_empty=skip > 0)
+
     def _step_limit_reached(self) -> bool:
         return self.max_steps >= 0 and self.global_step >= self.max_steps
 
-    def _num_batches(self, loader: Iterable[Any]) -> int | None:
-        try:
-            n = len(loader)  # type: ignore[arg-type]
-        except TypeError:
+    def _num_batches(self, loader: Iterable[Any], skip: int = 0) -> int | None:
+        n = self._num_batches_plain(loader)
+        if n is None:
             return None
+        n -= skip
         if self.max_steps >= 0:
             n = min(n, self.max_steps - self.global_step)
         return n
 
-    def _fetch(self, metrics: Metrics) -> Any:
-        return jax.device_get(self.strategy.unreplicate(metrics))
+    def _fetch(self, tree: Any) -> Any:
+        return jax.device_get(self.strategy.unreplicate(tree))
 
-    def _report_train(self, acc: Metrics, *, log: bool) -> None:
-        values = _host_values(self._fetch(acc), "train")
+    def _check_finite(self, acc: TrainMetrics) -> None:
+        bad = int(acc.first_nonfinite)
+        if bad and self.stop_on_nonfinite_loss:
+            raise NonFiniteLossError(
+                f"the loss is not finite at step {bad} (epoch {self.current_epoch}, batch "
+                f"{bad - 1 - self._epoch_offset}); training stopped and no checkpoint of "
+                "it was saved. Lower the learning rate, clip gradients or check that batch; "
+                "Trainer(stop_on_nonfinite_loss=False) trains on regardless"
+            )
+
+    def _report_train(self, *, log: bool) -> None:
+        acc = self._fetch(self._acc)
+        self._check_finite(acc)
+        values = _host_values(acc.metrics, "train")
         if not values:
             return
         self.callback_metrics = {**self.callback_metrics, **values}
@@ -368,31 +474,149 @@ class Trainer:
         if self.logger is not None:
             self.logger.log_metrics(self.logged_metrics, step=self.global_step)
 
+    # ----------------------------------------------------------- checkpoints
+    @property
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        """The first `ModelCheckpoint` among the callbacks."""
+        return next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
+
+    def _callback_keys(self) -> list[tuple[str, Callback]]:
+        seen: dict[str, int] = {}
+        keys = []
+        for cb in self.callbacks:
+            name = type(cb).__name__
+            seen[name] = seen.get(name, 0) + 1
+            keys.append((name if seen[name] == 1 else f"{name}_{seen[name]}", cb))
+        return keys
+
+    def _load_callback_states(self, states: Mapping[str, Any]) -> None:
+        for key, cb in self._callback_keys():
+            if key in states and hasattr(cb, "load_state_dict"):
+                cb.load_state_dict(states[key])
+
+    def checkpoint_payload(self, module: JaxModule) -> tuple[Any, dict[str, Any]]:
+        """What a checkpoint of the run holds now: arrays and a JSON record.
+
+        Waits for the steps in flight, and refuses (`NonFiniteLossError`) when
+        a step since the last report had a non-finite loss, so a bad state is
+        never saved.
+        """
+        if self._state is None:
+            raise RuntimeError("nothing to checkpoint: fit has not started")
+        self._drain()
+        acc = self._fetch(self._acc)
+        self._check_finite(acc)
+        tree = {"state": jax.device_get(self.strategy.unreplicate(self._state)), "acc": acc}
+        epoch, batch = self._progress
+        meta = {
+            "progress": {"epoch": epoch, "batch": batch, "global_step": self.global_step},
+            "callbacks": {
+                key: cb.state_dict()
+                for key, cb in self._callback_keys()
+                if hasattr(cb, "state_dict") and cb.state_dict()
+            },
+            "hparams": json_safe(module.hparams),
+            "module": f"{type(module).__module__}.{type(module).__qualname__}",
+            "seed": self.seed,
+            "log_dir": self.log_dir,
+            "num_devices": self.num_devices,
+        }
+        return tree, meta
+
+    def _stop_on_signal(self, module: JaxModule) -> None:
+        name = self._stop_request.name
+        checkpoints = [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
+        paths = [c.save(self, module) for c in checkpoints]
+        for c in checkpoints:
+            c.finish(prune=True)
+        if paths:
+            print(
+                f"Received {name} at step {self.global_step}: saved {paths[0]}. Resume with "
+                "trainer.fit(model, ..., ckpt_path='last') (or that path).",
+                flush=True,
+            )
+        else:
+            print(
+                f"Received {name} at step {self.global_step}: no ModelCheckpoint, nothing saved.",
+                flush=True,
+            )
+        raise SystemExit(128 + int(self._stop_request.signum or 0))
+
+    def _checkpoint_dirs(self) -> list[str]:
+        dirs = []
+        cb = self.checkpoint_callback
+        if cb is not None and cb.dirpath is not None:
+            dirs.append(os.path.abspath(cb.dirpath))
+        if isinstance(self.logger, TensorBoardLogger):
+            root = os.path.join(self.logger.save_dir, self.logger.name)
+            dirs += glob.glob(os.path.join(root, "version_*", "checkpoints"))
+        dirs.append(os.path.join(self.default_root_dir, "checkpoints"))
+        return dirs
+
+    def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike[str]) -> str:
+        if ckpt_path not in ("last", "best"):
+            return os.path.abspath(os.fspath(ckpt_path))
+        cb = self.checkpoint_callback
+        if ckpt_path == "best" and cb is not None and cb.best_model_path:
+            return cb.best_model_path
+        last = find_last(self._checkpoint_dirs())
+        if last is None:
+            raise FileNotFoundError(
+                f"ckpt_path={ckpt_path!r}: no complete checkpoint in "
+                f"{sorted(set(self._checkpoint_dirs()))}; pass a checkpoint folder instead"
+            )
+        if ckpt_path == "last":
+            return last
+        best = read_meta(last).get("callbacks", {}).get("ModelCheckpoint", {})
+        if not best.get("best_model_path"):
+            raise FileNotFoundError(f"ckpt_path='best': {last} records no best checkpoint")
+        return best["best_model_path"]
+
+    def _adopt_log_dir(self, log_dir: str | None) -> None:
+        """Resumes logging into the checkpoint's run directory (one run in TensorBoard)."""
+        logger = self.logger
+        if not (log_dir and isinstance(logger, TensorBoardLogger)) or logger._version is not None:
+            return
+        parent, leaf = os.path.split(os.path.abspath(log_dir))
+        root = os.path.abspath(os.path.join(logger.save_dir, logger.name))
+        match = re.fullmatch(r"version_(\d+)", leaf)
+        if parent == root and match:
+            logger._version = int(match.group(1))
+
     # ------------------------------------------------------------ evaluation
-    def _eval_variables(self, module: JaxModule, first: DeviceBatch) -> Any:
+    def _eval_variables(self, module: JaxModule, first: DeviceBatch, ckpt_path: Any) -> Any:
+        if ckpt_path is not None:
+            path = self._resolve_ckpt_path(ckpt_path)
+            expected = self._init_state(module, None, first)
+            module.variables = restore_variables(path, expected)
+            return self.strategy.replicate(module.variables)
         if self._state is not None and self._fit_module is module:
             return self._state.variables
         if module.variables is None:
             warnings.warn(
-                f"{type(module).__name__} has no trained variables (fit was not run): "
-                "evaluating the freshly initialised model",
-                stacklevel=3,
+                f"{type(module).__name__} has no trained variables (fit was not run and no "
+                "ckpt_path given): evaluating the freshly initialised model",
+                stacklevel=4,
             )
         return self.strategy.replicate(self._init_state(module, None, first))
 
-    def _evaluate(self, stage: str, module: JaxModule, dataloaders: Any) -> list[dict[str, float]]:
+    def _evaluate(
+        self, stage: str, module: JaxModule, dataloaders: Any, ckpt_path: Any = None
+    ) -> list[dict[str, float]]:
         loaders = list(dataloaders) if isinstance(dataloaders, (list, tuple)) else [dataloaders]
         prefix = _STAGE_PREFIX[stage]
         results = []
         for i, loader in enumerate(loaders):
             suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""
-            metrics = self._evaluate_loader(stage, module, loader)
+            metrics = self._evaluate_loader(stage, module, loader, ckpt_path if i == 0 else None)
             results.append({k + suffix: v for k, v in _host_values(metrics, prefix).items()})
         return results
 
-    def _evaluate_loader(self, stage: str, module: JaxModule, loader: Any) -> Metrics:
+    def _evaluate_loader(
+        self, stage: str, module: JaxModule, loader: Any, ckpt_path: Any = None
+    ) -> Metrics:
         first, batches = self._batches(loader, f"the {stage} dataloader")
-        variables = self._eval_variables(module, first)
+        variables = self._eval_variables(module, first, ckpt_path)
         rows = first.host.mask.shape[0] // self.num_devices
         example = _leading_one(first.host.data, rows)
         key = ("eval", module, jax.tree.structure(example), tuple(jax.tree.leaves(example)))
@@ -427,27 +651,35 @@ class Trainer:
         except TypeError:
             return None
 
-    def validate(self, module: JaxModule, dataloaders: Any) -> list[dict[str, float]]:
-        """Evaluates ``module`` with its ``eval_step``; returns ``[{"val/...": v}]``."""
-        return self._run_eval_stage("validation", module, dataloaders)
+    def validate(
+        self, module: JaxModule, dataloaders: Any, *, ckpt_path: Any = None
+    ) -> list[dict[str, float]]:
+        """Evaluates ``module`` with its ``eval_step``; returns ``[{"val/...": v}]``.
 
-    def test(self, module: JaxModule, dataloaders: Any) -> list[dict[str, float]]:
+        Uses the module's trained variables, or those of ``ckpt_path``
+        (``"last"``, ``"best"`` or a checkpoint folder), which it then keeps.
+        """
+        return self._run_eval_stage("validation", module, dataloaders, ckpt_path)
+
+    def test(
+        self, module: JaxModule, dataloaders: Any, *, ckpt_path: Any = None
+    ) -> list[dict[str, float]]:
         """Like `validate`, with ``test/`` names."""
-        return self._run_eval_stage("test", module, dataloaders)
+        return self._run_eval_stage("test", module, dataloaders, ckpt_path)
 
     def _run_eval_stage(
-        self, stage: str, module: JaxModule, dataloaders: Any
+        self, stage: str, module: JaxModule, dataloaders: Any, ckpt_path: Any
     ) -> list[dict[str, float]]:
         self._check_module(module, "eval_step")
-        results = self._evaluate(stage, module, dataloaders)
+        results = self._evaluate(stage, module, dataloaders, ckpt_path)
         values = {k: v for r in results for k, v in r.items()}
         self._log(values)
         if self.logger is not None:
             self.logger.finalize()
         return results
 
-    def predict(self, module: JaxModule, dataloaders: Any) -> Any:
-        """Runs ``predict_step`` over ``dataloaders``.
+    def predict(self, module: JaxModule, dataloaders: Any, *, ckpt_path: Any = None) -> Any:
+        """Runs ``predict_step`` over ``dataloaders`` (with ``ckpt_path``'s variables).
 
         Returns:
             The outputs concatenated over batches, padding removed: one row per
@@ -456,12 +688,15 @@ class Trainer:
         """
         self._check_module(module, "predict_step")
         if isinstance(dataloaders, (list, tuple)):
-            return [self._predict_loader(module, d) for d in dataloaders]
-        return self._predict_loader(module, dataloaders)
+            return [
+                self._predict_loader(module, d, ckpt_path if i == 0 else None)
+                for i, d in enumerate(dataloaders)
+            ]
+        return self._predict_loader(module, dataloaders, ckpt_path)
 
-    def _predict_loader(self, module: JaxModule, loader: Any) -> Any:
+    def _predict_loader(self, module: JaxModule, loader: Any, ckpt_path: Any) -> Any:
         first, batches = self._batches(loader, "the predict dataloader")
-        variables = self._eval_variables(module, first)
+        variables = self._eval_variables(module, first, ckpt_path)
         key = ("predict", module)
         if key not in self._eval_fns:
             self._eval_fns[key] = self.strategy.compile(

@@ -115,6 +115,7 @@ def np_cross_entropy(logits, y) -> np.ndarray:
 def quiet_trainer(**kwargs) -> jl.Trainer:
     kwargs.setdefault("enable_progress_bar", False)
     kwargs.setdefault("logger", False)
+    kwargs.setdefault("enable_checkpointing", False)
     return jl.Trainer(**kwargs)
 
 

@@ -1,4 +1,5 @@
 """Callbacks: host-side hooks into the loop."""
 
 from jaxlightning.callbacks.base import Callback as Callback
+from jaxlightning.callbacks.checkpoint import ModelCheckpoint as ModelCheckpoint
 from jaxlightning.callbacks.progress import TQDMProgressBar as TQDMProgressBar

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jaxlightning.module import JaxModule
@@ -20,7 +20,11 @@ class Callback:
     ``on_train_batch_end`` after each step is dispatched, ``on_train_epoch_end``
     (after that epoch's validation, if any); ``on_fit_end``. Each evaluation
     stage (``validation``, ``test``, ``predict``) calls ``on_<stage>_start``,
-    ``on_<stage>_batch_end`` and ``on_<stage>_end``.
+    ``on_<stage>_batch_end`` and ``on_<stage>_end``. A ``fit`` that ends by an
+    exception or a signal calls ``teardown`` instead of ``on_fit_end``.
+
+    A stateful callback returns its state from `state_dict`; it is saved in
+    checkpoints and handed back to `load_state_dict` when a run resumes.
     """
 
     def on_fit_start(self, trainer: Trainer, module: JaxModule) -> None: ...
@@ -39,3 +43,12 @@ class Callback:
     def on_predict_start(self, trainer: Trainer, module: JaxModule) -> None: ...
     def on_predict_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None: ...
     def on_predict_end(self, trainer: Trainer, module: JaxModule) -> None: ...
+    def teardown(self, trainer: Trainer, module: JaxModule) -> None:
+        """Called when ``fit`` ends by an exception or a signal; release resources."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to store in checkpoints (JSON-serialisable); empty if stateless."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what `state_dict` returned, when a run resumes."""

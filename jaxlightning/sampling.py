@@ -1,0 +1,129 @@
+"""Deterministic data order owned by the Trainer: seeded per epoch, resumable.
+
+A `torch.utils.data.DataLoader` with a plain random or sequential sampler is
+rebuilt around an `EpochSampler`, so that the order of every epoch follows
+from ``(seed, epoch)`` alone. A resumed run can then start an epoch at any
+batch without loading the batches before it, and each process of a
+multi-process run can take its own share.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+
+
+class EpochSampler(Sampler[int]):
+    """Indices of one epoch: a permutation seeded by ``(seed, epoch)`` if shuffling.
+
+    Args:
+        num_samples: the dataset's length.
+        shuffle: permute (else dataset order).
+        seed: the run's seed.
+        epoch: selects the permutation.
+        start: leave out the first ``start`` indices (a resumed epoch).
+    """
+
+    def __init__(
+        self, num_samples: int, *, shuffle: bool, seed: int, epoch: int = 0, start: int = 0
+    ) -> None:
+        self.num_samples = num_samples
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = epoch
+        self.start = start
+
+    def order(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_samples)
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order()[self.start :].tolist())
+
+    def __len__(self) -> int:
+        return max(self.num_samples - self.start, 0)
+
+
+def _ownable(loader: Any) -> bool:
+    """Whether the Trainer can rebuild ``loader`` around its own sampler."""
+    return (
+        type(loader) is DataLoader
+        and not isinstance(loader.dataset, IterableDataset)
+        and type(loader.batch_sampler) is BatchSampler
+        and type(loader.sampler) in (RandomSampler, SequentialSampler)
+        and loader.batch_size is not None
+    )
+
+
+def _rebuild(loader: DataLoader, sampler: Sampler[int]) -> DataLoader:
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        drop_last=loader.drop_last,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+    )
+
+
+def epoch_loader(
+    loader: Iterable[Any], *, epoch: int, seed: int, skip_batches: int = 0, own: bool = True
+) -> Iterable[Any]:
+    """The batches of ``epoch``, leaving out its first ``skip_batches``.
+
+    With ``own`` and a plain DataLoader, the order comes from an `EpochSampler`
+    (shuffled iff the DataLoader shuffles) and skipped batches are never
+    loaded. Otherwise the loader is used as it is and skipped batches are
+    loaded and dropped, which restores the order only if the loader itself is
+    deterministic.
+    """
+    if own and _ownable(loader):
+        shuffle = isinstance(loader.sampler, RandomSampler)
+        sampler = EpochSampler(
+            len(loader.dataset),
+            shuffle=shuffle,
+            seed=seed,
+            epoch=epoch,
+            start=skip_batches * loader.batch_size,
+        )
+        return _rebuild(loader, sampler)
+    if skip_batches:
+        warnings.warn(
+            f"resuming mid-epoch: loading and dropping {skip_batches} batches, since the "
+            "Trainer cannot set this loader's order itself (a plain DataLoader lets it); "
+            "the order is only restored if the loader is deterministic",
+            stacklevel=3,
+        )
+        return _Skipped(loader, skip_batches)
+    return loader
+
+
+class _Skipped:
+    def __init__(self, loader: Iterable[Any], skip: int) -> None:
+        self.loader, self.skip = loader, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.loader), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(len(self.loader) - self.skip, 0)  # type: ignore[arg-type]

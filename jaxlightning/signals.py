@@ -1,0 +1,44 @@
+"""Turns SIGTERM and SIGINT into a request to stop at the next step boundary."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+
+class StopRequest:
+    """While active, the first SIGTERM/SIGINT sets `signum` instead of killing.
+
+    A second SIGINT raises `KeyboardInterrupt` at once, for when stopping
+    cleanly takes too long. Outside the main thread it does nothing (Python
+    delivers signals to the main thread only).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __enter__(self) -> StopRequest:
+        self.signum = None
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
