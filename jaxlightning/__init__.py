@@ -4,7 +4,9 @@ from jaxlightning import callbacks as callbacks
 from jaxlightning import loggers as loggers
 from jaxlightning import strategies as strategies
 from jaxlightning.callbacks import Callback as Callback
+from jaxlightning.callbacks import ModelCheckpoint as ModelCheckpoint
 from jaxlightning.callbacks import TQDMProgressBar as TQDMProgressBar
+from jaxlightning.checkpoint import CheckpointError as CheckpointError
 from jaxlightning.data import BatchError as BatchError
 from jaxlightning.loggers import Logger as Logger
 from jaxlightning.loggers import TensorBoardLogger as TensorBoardLogger
@@ -14,6 +16,7 @@ from jaxlightning.state import TrainState as TrainState
 from jaxlightning.strategies import PmapStrategy as PmapStrategy
 from jaxlightning.strategies import ShardMapStrategy as ShardMapStrategy
 from jaxlightning.strategies import Strategy as Strategy
+from jaxlightning.trainer import NonFiniteLossError as NonFiniteLossError
 from jaxlightning.trainer import Trainer as Trainer
 
 __version__ = "0.1.0"

@@ -111,7 +111,11 @@ def _checked(path: str | os.PathLike[str]) -> str:
 
 
 def _checkpointer() -> ocp.Checkpointer:
-    return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    return ocp.Checkpointer(
+        ocp.CompositeCheckpointHandler(
+            state=ocp.PyTreeCheckpointHandler(), meta=ocp.JsonCheckpointHandler()
+        )
+    )
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -139,7 +143,9 @@ def _saved_shapes(path: str) -> dict[str, tuple[int, ...]]:
         metadata = _checkpointer().metadata(path).item_metadata["state"]
     except Exception as exc:
         raise CheckpointError(f"could not read checkpoint {path}: {exc}") from exc
-    tree = getattr(metadata, "tree", metadata)
+    tree = getattr(metadata, "tree", None)
+    if tree is None:
+        raise CheckpointError(f"could not read checkpoint {path}: its 'state' has no metadata")
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
     return {"/".join(str(getattr(k, "key", k)) for k in p): tuple(leaf.shape) for p, leaf in flat}
 
@@ -197,12 +203,12 @@ def restore(path: str | os.PathLike[str], target: Any | None = None) -> Any:
         problem = _first_mismatch(saved, _shapes(flax.serialization.to_state_dict(target)))
         if problem:
             raise CheckpointError(f"checkpoint {path} does not fit this model: {problem}")
-    restore_args = jax.tree.map(
-        lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
-        _checkpointer().metadata(path).item_metadata["state"].tree,
-        is_leaf=lambda x: hasattr(x, "shape"),
-    )
     try:
+        restore_args = jax.tree.map(
+            lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+            _checkpointer().metadata(path).item_metadata["state"].tree,
+            is_leaf=lambda x: hasattr(x, "shape"),
+        )
         state = (
             _checkpointer()
             .restore(

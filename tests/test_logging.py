@@ -105,9 +105,7 @@ def test_current_epoch_counts_completed_epochs(run):
 
 def test_progress_bar_shows_epochs_and_metrics(tmp_path, capsys):
     x, y = digits(96)
-    trainer = jl.Trainer(
-        max_epochs=2, log_every_n_steps=1, logger=False, default_root_dir=tmp_path
-    )
+    trainer = jl.Trainer(max_epochs=2, log_every_n_steps=1, logger=False, default_root_dir=tmp_path)
     trainer.fit(LitMLP(hidden=16), loader(x, y, 32), loader(x, y, 32))
     err = capsys.readouterr().err
     assert "Epoch 0" in err and "Epoch 1" in err and "Validation" in err

@@ -84,6 +84,7 @@ class ModelCheckpoint(Callback):
         self._writer: CheckpointWriter | None = None
         self._last_save_time = time.monotonic()
         self._warned_missing = False
+        self._pending_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ locations
     def resolve_dirpath(self, trainer: Trainer) -> str:
@@ -99,6 +100,9 @@ class ModelCheckpoint(Callback):
     def on_fit_start(self, trainer: Trainer, module: JaxModule) -> None:
         self._writer = CheckpointWriter(self.resolve_dirpath(trainer), async_save=self.async_save)
         self._last_save_time = time.monotonic()
+        if self._pending_state is not None:
+            self._adopt(self._pending_state)
+            self._pending_state = None
         if self._writer.steps() and not self._records:
             warnings.warn(
                 f"checkpoint folder {self.dirpath} already holds checkpoints of another run; "
@@ -125,7 +129,7 @@ class ModelCheckpoint(Callback):
         self.finish(prune=True)
 
     def teardown(self, trainer: Trainer, module: JaxModule) -> None:
-        self.finish(prune=False)
+        self.finish(prune=True)  # after waiting, every kept checkpoint is complete
 
     # ------------------------------------------------------------- saving
     def _latest_step(self) -> int | None:
@@ -225,8 +229,13 @@ class ModelCheckpoint(Callback):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.dirpath is None and state.get("dirpath"):
-            self.dirpath = state["dirpath"]
+        # Applied in on_fit_start, once this run's folder is known: the records
+        # carry over only when the resumed run writes to the same folder.
+        self._pending_state = dict(state)
+
+    def _adopt(self, state: dict[str, Any]) -> None:
+        if state.get("dirpath") != os.path.abspath(self.dirpath or ""):
+            return
         self._records = list(state.get("records", []))
         self._known = {r["step"] for r in self._records}
         self.best_model_path = state.get("best_model_path", "")
