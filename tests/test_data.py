@@ -82,3 +82,42 @@ def test_prefetcher_yields_in_order_and_stops_early():
     prefetcher.close()
     assert not any(t.name == "jl-prefetch" and t.is_alive() for t in threading.enumerate())
     assert len(fetched) < 10  # bounded look-ahead, not the whole epoch
+
+
+class Counting(Dataset):
+    def __init__(self, n):
+        self.n, self.loaded = n, []
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.loaded.append(i)
+        return np.float32(i)
+
+
+def test_trainer_order_is_seeded_per_epoch_and_resumes_without_loading_skipped():
+    from jaxlightning.sampling import epoch_loader
+
+    data = Counting(40)
+    user = DataLoader(data, batch_size=8, shuffle=True)
+    epoch1 = [b.numpy() for b in epoch_loader(user, epoch=1, seed=3)]
+    again = [b.numpy() for b in epoch_loader(user, epoch=1, seed=3)]
+    epoch2 = np.concatenate([b.numpy() for b in epoch_loader(user, epoch=2, seed=3)])
+    assert all(np.array_equal(a, b) for a, b in zip(epoch1, again, strict=True))
+    assert sorted(np.concatenate(epoch1)) == list(range(40))  # a permutation
+    assert not np.array_equal(np.concatenate(epoch1), epoch2)  # reshuffled per epoch
+
+    data.loaded.clear()
+    rest = [b.numpy() for b in epoch_loader(user, epoch=1, seed=3, skip_batches=3)]
+    assert all(np.array_equal(a, b) for a, b in zip(rest, epoch1[3:], strict=True))
+    assert sorted(data.loaded) == sorted(np.concatenate(epoch1[3:]).astype(int).tolist())
+
+
+def test_unowned_loader_is_skipped_by_loading_with_a_warning():
+    from jaxlightning.sampling import epoch_loader
+
+    batches = [np.full(2, i) for i in range(5)]
+    with pytest.warns(UserWarning, match="loading and dropping 2 batches"):
+        rest = list(epoch_loader(batches, epoch=0, seed=0, skip_batches=2))
+    assert [int(b[0]) for b in rest] == [2, 3, 4]
