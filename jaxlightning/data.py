@@ -109,6 +109,16 @@ class Padder:
     def __init__(self, multiple: int, batch_size: int | None = None) -> None:
         self.multiple = multiple
         self.size = self._round(batch_size) if batch_size else None
+        self._last: HostBatch | None = None
+
+    def empty(self) -> HostBatch:
+        """A batch of padding only (the last batch's rows, all masked out)."""
+        if self._last is None:
+            raise BatchError(
+                "this process has no data at all in a multi-process run; the dataset needs "
+                "at least one example per process"
+            )
+        return HostBatch(self._last.data, np.zeros_like(self._last.mask), 0)
 
     def _round(self, rows: int) -> int:
         return math.ceil(rows / self.multiple) * self.multiple
@@ -135,7 +145,8 @@ class Padder:
             fill = np.full(self.size - rows, rows - 1)
             idx = np.concatenate([np.arange(rows), fill])
             batch = jax.tree.map(lambda x: np.take(x, idx, axis=0), batch)
-        return HostBatch(batch, mask, rows)
+        self._last = HostBatch(batch, mask, rows)
+        return self._last
 
 
 def loader_batch_size(loader: Iterable[Any]) -> int | None:

@@ -10,6 +10,7 @@ multi-process run can take its own share.
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -26,35 +27,59 @@ from torch.utils.data import (
 
 
 class EpochSampler(Sampler[int]):
-    """Indices of one epoch: a permutation seeded by ``(seed, epoch)`` if shuffling.
+    """This process's indices of one epoch.
+
+    The epoch's order is a permutation seeded by ``(seed, epoch)`` when
+    shuffling, else dataset order. Process ``rank`` of ``replicas`` takes every
+    ``replicas``-th index from position ``rank``: with a per-process batch size
+    ``b``, global batch ``k`` (all processes' batch ``k`` together) then holds
+    exactly positions ``[k*b*replicas, (k+1)*b*replicas)`` of the order, the
+    same examples a single process with batch size ``b*replicas`` would see.
+    Nothing is repeated: shares differ in size by at most one example.
 
     Args:
         num_samples: the dataset's length.
         shuffle: permute (else dataset order).
         seed: the run's seed.
         epoch: selects the permutation.
-        start: leave out the first ``start`` indices (a resumed epoch).
+        start: leave out this process's first ``start`` indices (a resumed epoch).
+        rank: this process's index.
+        replicas: the number of processes.
     """
 
     def __init__(
-        self, num_samples: int, *, shuffle: bool, seed: int, epoch: int = 0, start: int = 0
+        self,
+        num_samples: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        epoch: int = 0,
+        start: int = 0,
+        rank: int = 0,
+        replicas: int = 1,
     ) -> None:
         self.num_samples = num_samples
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = epoch
         self.start = start
+        self.rank = rank
+        self.replicas = replicas
 
     def order(self) -> np.ndarray:
         if not self.shuffle:
             return np.arange(self.num_samples)
         return np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
 
+    def share(self, rank: int) -> np.ndarray:
+        """The indices of process ``rank``'s share (before ``start``)."""
+        return self.order()[rank :: self.replicas]
+
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order()[self.start :].tolist())
+        return iter(self.share(self.rank)[self.start :].tolist())
 
     def __len__(self) -> int:
-        return max(self.num_samples - self.start, 0)
+        return max(len(range(self.rank, self.num_samples, self.replicas)) - self.start, 0)
 
 
 def _ownable(loader: Any) -> bool:
@@ -86,14 +111,36 @@ def _rebuild(loader: DataLoader, sampler: Sampler[int]) -> DataLoader:
     )
 
 
+def common_num_batches(loader: DataLoader, replicas: int, skip_batches: int = 0) -> int:
+    """Batches every process runs per epoch when ``replicas`` share an owned loader.
+
+    Shares differ by one example at most, so their batch counts can differ by
+    one; every process runs the largest count (the short ones add batches whose
+    rows are all padding), or, with ``drop_last``, the smallest.
+    """
+    n, b = len(loader.dataset), loader.batch_size
+    if loader.drop_last:
+        count = (n // replicas) // b
+    else:
+        count = math.ceil(math.ceil(n / replicas) / b)
+    return max(count - skip_batches, 0)
+
+
 def epoch_loader(
-    loader: Iterable[Any], *, epoch: int, seed: int, skip_batches: int = 0, own: bool = True
+    loader: Iterable[Any],
+    *,
+    epoch: int,
+    seed: int,
+    skip_batches: int = 0,
+    own: bool = True,
+    rank: int = 0,
+    replicas: int = 1,
 ) -> Iterable[Any]:
     """The batches of ``epoch``, leaving out its first ``skip_batches``.
 
     With ``own`` and a plain DataLoader, the order comes from an `EpochSampler`
-    (shuffled iff the DataLoader shuffles) and skipped batches are never
-    loaded. Otherwise the loader is used as it is and skipped batches are
+    (shuffled iff the DataLoader shuffles, this process's share of it) and
+    skipped batches are never loaded. Otherwise the loader is used as it is and skipped batches are
     loaded and dropped, which restores the order only if the loader itself is
     deterministic.
     """
@@ -105,8 +152,17 @@ def epoch_loader(
             seed=seed,
             epoch=epoch,
             start=skip_batches * loader.batch_size,
+            rank=rank,
+            replicas=replicas,
         )
         return _rebuild(loader, sampler)
+    if replicas > 1 and own:
+        raise ValueError(
+            f"a multi-process run needs each process to read only its share; the Trainer "
+            f"does that for a plain DataLoader over a map-style dataset, but got "
+            f"{type(loader).__name__}. Pass one, or shard the data yourself and set "
+            "Trainer(use_distributed_sampler=False)"
+        )
     if skip_batches:
         warnings.warn(
             f"resuming mid-epoch: loading and dropping {skip_batches} batches, since the "

@@ -6,6 +6,7 @@ import glob
 import itertools
 import os
 import re
+import signal
 import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -14,13 +15,15 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from torch.utils.data import RandomSampler
 
+from jaxlightning import distributed
 from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 from jaxlightning.checkpoint import find_last, json_safe, read_meta, restore, restore_variables
 from jaxlightning.data import DeviceBatch, Padder, Prefetcher, loader_batch_size
 from jaxlightning.loggers import Logger, TensorBoardLogger
 from jaxlightning.module import JaxModule
-from jaxlightning.sampling import epoch_loader
+from jaxlightning.sampling import EpochSampler, common_num_batches, epoch_loader
 from jaxlightning.signals import StopRequest
 from jaxlightning.state import TrainState, create_train_state
 from jaxlightning.step import (
@@ -40,8 +43,28 @@ class NonFiniteLossError(FloatingPointError):
     """The training loss became NaN or infinite."""
 
 
+_PAD_BATCH = object()
+
+
+def _exactly(loader: Iterable[Any], total: int) -> Iterator[Any]:
+    """``total`` items of ``loader``: cut short, or topped up with `_PAD_BATCH`."""
+    n = 0
+    for item in itertools.islice(loader, total):
+        n += 1
+        yield item
+    for _ in range(total - n):
+        yield _PAD_BATCH
+
+
 def _resolve_devices(devices: int | str | Sequence[jax.Device]) -> list[jax.Device]:
     local = jax.local_devices()
+    if jax.process_count() > 1:
+        if devices not in ("auto", len(local)):
+            raise ValueError(
+                f"devices={devices!r} in a {jax.process_count()}-process run: each process "
+                f"uses all of its {len(local)} local devices; use devices='auto'"
+            )
+        return jax.devices()
     if devices == "auto":
         return local
     if isinstance(devices, int) and not isinstance(devices, bool):
@@ -113,8 +136,13 @@ class Trainer:
             NaN or infinite (detected at the next report or checkpoint, without a
             per-step sync; a bad state is never checkpointed).
         use_distributed_sampler: let the Trainer own the order of plain
-            DataLoaders (seeded per epoch), which makes runs reproducible and
-            resumable mid-epoch without reloading consumed batches.
+            DataLoaders (seeded per epoch, each process reading only its share),
+            which makes runs reproducible and resumable mid-epoch without
+            reloading consumed batches.
+        num_nodes: the number of processes of a multi-process job (one per
+            node). A process started by ``python -m jaxlightning.launch``, SLURM,
+            Open MPI or Kubernetes joins its job automatically; this only checks
+            the count.
     """
 
     def __init__(
@@ -134,6 +162,7 @@ class Trainer:
         enable_checkpointing: bool = True,
         stop_on_nonfinite_loss: bool = True,
         use_distributed_sampler: bool = True,
+        num_nodes: int | None = None,
     ) -> None:
         if max_epochs is None and max_steps == -1:
             max_epochs = 1000
@@ -147,6 +176,7 @@ class Trainer:
         self.check_val_every_n_epoch = check_val_every_n_epoch
         self.default_root_dir = os.fspath(default_root_dir or os.getcwd())
         self.seed = seed
+        distributed.initialize(num_nodes)  # before anything touches the devices
         self.strategy = resolve_strategy(strategy)
         self.strategy.setup(_resolve_devices(devices))
         if logger is True:
@@ -157,7 +187,11 @@ class Trainer:
             self.callbacks.append(ModelCheckpoint())
         self.stop_on_nonfinite_loss = stop_on_nonfinite_loss
         self.use_distributed_sampler = use_distributed_sampler
-        if enable_progress_bar and not any(isinstance(c, TQDMProgressBar) for c in self.callbacks):
+        if (
+            enable_progress_bar
+            and distributed.is_rank_zero()
+            and not any(isinstance(c, TQDMProgressBar) for c in self.callbacks)
+        ):
             self.callbacks.append(TQDMProgressBar())
 
         self.global_step = 0
@@ -173,6 +207,7 @@ class Trainer:
         self._progress = (0, 0)  # (epoch, batch) of the next batch to train on
         self._epoch_offset = 0  # global step before the current epoch's batch 0
         self._stop_request = StopRequest()
+        self._stop_signal = 0
         self._in_flight: deque[Any] = deque()
         self._eval_fns: dict[Any, Any] = {}
         self._fit_module: JaxModule | None = None
@@ -209,18 +244,29 @@ class Trainer:
             jax.block_until_ready(self._in_flight.popleft())
 
     def _batches(
-        self, loader: Iterable[Any], name: str, *, allow_empty: bool = False
+        self,
+        loader: Iterable[Any],
+        name: str,
+        *,
+        allow_empty: bool = False,
+        total: int | None = None,
     ) -> tuple[DeviceBatch | None, Iterator[DeviceBatch]]:
-        """Starts prefetching ``loader``; returns its first batch and the iterator."""
-        padder = Padder(self.num_devices, loader_batch_size(loader))
+        """Starts prefetching ``loader``; returns its first batch and the iterator.
+
+        With ``total``, yields exactly that many batches, adding all-padding
+        ones at the end: every process of a multi-process run must run the same
+        number of steps.
+        """
+        padder = Padder(self.strategy.num_local_devices, loader_batch_size(loader))
         put = self.strategy.put_batch
 
         def prepare(raw: Any) -> DeviceBatch:
-            host = padder(raw)
+            host = padder.empty() if raw is _PAD_BATCH else padder(raw)
             data, mask = put((host.data, host.mask))
             return DeviceBatch(host, data, mask)
 
-        prefetcher = Prefetcher(loader, prepare)
+        source = loader if total is None else _exactly(loader, total)
+        prefetcher = Prefetcher(source, prepare)
         iterator = iter(prefetcher)
         try:
             first = next(iterator)
@@ -246,7 +292,7 @@ class Trainer:
 
     def _example(self, first: DeviceBatch) -> Any:
         """One device's share of the first batch, for ``setup``."""
-        rows = first.host.mask.shape[0] // self.num_devices
+        rows = first.host.mask.shape[0] // self.strategy.num_local_devices
         return jax.tree.map(lambda x: x[:rows], first.host.data)
 
     def _init_state(
@@ -328,7 +374,7 @@ class Trainer:
             example_first = first
         state = self._init_state(module, tx, example_first)
         step_fn = build_train_step(module, tx)
-        rows = example_first.host.mask.shape[0] // self.num_devices
+        rows = example_first.host.mask.shape[0] // self.strategy.num_local_devices
         acc0 = _zeros_like_metrics(
             step_fn,
             state,
@@ -353,8 +399,10 @@ class Trainer:
         self._eval_fns.clear()
         self._fit_module = module
         self.should_stop = False
+        self._stop_signal = 0
         self._progress = (self.current_epoch, skip)
 
+        _ = self.log_dir  # fixes the run directory on every process at once
         if self.logger is not None and module.hparams and resume is None:
             self.logger.log_hyperparams(module.hparams)
         self._call("on_fit_start", module)
@@ -376,7 +424,7 @@ class Trainer:
                     self.num_training_batches = self._num_batches(train_dataloaders, skip)
                     self._call("on_train_epoch_start", module)
                     for batch_idx, batch in enumerate(batches, start=skip):
-                        if self._step_limit_reached() or self._stop_request.signum:
+                        if self._step_limit_reached() or self._stop_signal:
                             self.should_stop = True
                             break
                         self._state, self._acc = train_step(
@@ -385,15 +433,17 @@ class Trainer:
                         self._throttle(self._acc)
                         self.global_step += 1
                         self._progress = (epoch, batch_idx + 1)
-                        if self.global_step % self.log_every_n_steps == 0:
+                        at_report = self.global_step % self.log_every_n_steps == 0
+                        if at_report:
                             self._report_train(log=True)
                             self._acc = acc0
+                        self._stop_signal = self._agreed_signal(at_report)
                         self._call("on_train_batch_end", module, batch_idx)
                     else:
                         self.epoch_completed = True
                     batches.close()
                     batches, skip = None, 0
-                    if self._stop_request.signum:
+                    if self._stop_signal:
                         self._stop_on_signal(module)
                     if self.epoch_completed:
                         self._report_train(log=False)
@@ -430,8 +480,32 @@ class Trainer:
             seed=self.seed,
             skip_batches=skip,
             own=self.use_distributed_sampler,
+            rank=jax.process_index(),
+            replicas=jax.process_count(),
         )
-        return self._batches(ordered, "train_dataloaders", allow_empty=skip > 0)
+        return self._batches(
+            ordered,
+            "train_dataloaders",
+            allow_empty=skip > 0,
+            total=self._common_total(loader, ordered, skip),
+        )
+
+    def _common_total(self, loader: Any, ordered: Any, skip: int = 0) -> int | None:
+        """The batch count every process runs, in a multi-process run."""
+        processes = jax.process_count()
+        if processes == 1:
+            return None
+        if self.use_distributed_sampler:
+            return common_num_batches(loader, processes, skip)
+        from jax.experimental import multihost_utils
+
+        counts = multihost_utils.process_allgather(np.int64(len(ordered)))
+        if len(set(counts.tolist())) > 1:
+            raise ValueError(
+                f"with use_distributed_sampler=False every process must yield as many "
+                f"batches; the processes' loaders have {counts.tolist()}"
+            )
+        return None
 
     def _step_limit_reached(self) -> bool:
         return self.max_steps >= 0 and self.global_step >= self.max_steps
@@ -523,13 +597,30 @@ class Trainer:
         }
         return tree, meta
 
+    def _agreed_signal(self, at_report: bool) -> int:
+        """The stop signal every process acts on, so that all stop at one step.
+
+        Alone, a signal counts at the next step. In a multi-process run the
+        processes compare notes at each logging interval (a collective).
+        """
+        signum = self._stop_request.signum or 0
+        if jax.process_count() == 1:
+            return signum
+        if not at_report:
+            return 0
+        from jax.experimental import multihost_utils
+
+        return int(np.max(multihost_utils.process_allgather(np.int32(signum))))
+
     def _stop_on_signal(self, module: JaxModule) -> None:
-        name = self._stop_request.name
+        name = signal.Signals(self._stop_signal).name
         checkpoints = [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
         paths = [c.save(self, module) for c in checkpoints]
         for c in checkpoints:
             c.finish(prune=True)
-        if paths:
+        if not distributed.is_rank_zero():
+            pass
+        elif paths:
             print(
                 f"Received {name} at step {self.global_step}: saved {paths[0]}. Resume with "
                 "trainer.fit(model, ..., ckpt_path='last') (or that path).",
@@ -540,7 +631,7 @@ class Trainer:
                 f"Received {name} at step {self.global_step}: no ModelCheckpoint, nothing saved.",
                 flush=True,
             )
-        raise SystemExit(128 + int(self._stop_request.signum or 0))
+        raise SystemExit(128 + self._stop_signal)
 
     def _checkpoint_dirs(self) -> list[str]:
         dirs = []
@@ -615,9 +706,9 @@ class Trainer:
     def _evaluate_loader(
         self, stage: str, module: JaxModule, loader: Any, ckpt_path: Any = None
     ) -> Metrics:
-        first, batches = self._batches(loader, f"the {stage} dataloader")
+        first, batches = self._eval_batches(loader, f"the {stage} dataloader")
         variables = self._eval_variables(module, first, ckpt_path)
-        rows = first.host.mask.shape[0] // self.num_devices
+        rows = first.host.mask.shape[0] // self.strategy.num_local_devices
         example = _leading_one(first.host.data, rows)
         key = ("eval", module, jax.tree.structure(example), tuple(jax.tree.leaves(example)))
         if key not in self._eval_fns:
@@ -643,6 +734,21 @@ class Trainer:
         self._drain()
         self._call(f"on_{stage}_end", module)
         return self._fetch(acc)
+
+    def _eval_batches(self, loader: Any, name: str) -> tuple[DeviceBatch, Iterator[DeviceBatch]]:
+        """An evaluation loader's batches: in a multi-process run, this process's share."""
+        if jax.process_count() == 1:
+            return self._batches(loader, name)  # type: ignore[return-value]
+        ordered = epoch_loader(
+            loader,
+            epoch=0,
+            seed=self.seed,
+            own=self.use_distributed_sampler,
+            rank=jax.process_index(),
+            replicas=jax.process_count(),
+        )
+        total = self._common_total(loader, ordered)
+        return self._batches(ordered, name, total=total)  # type: ignore[return-value]
 
     @staticmethod
     def _num_batches_plain(loader: Any) -> int | None:
@@ -671,6 +777,7 @@ class Trainer:
         self, stage: str, module: JaxModule, dataloaders: Any, ckpt_path: Any
     ) -> list[dict[str, float]]:
         self._check_module(module, "eval_step")
+        _ = self.log_dir  # fixes the run directory on every process at once
         results = self._evaluate(stage, module, dataloaders, ckpt_path)
         values = {k: v for r in results for k, v in r.items()}
         self._log(values)
@@ -695,7 +802,7 @@ class Trainer:
         return self._predict_loader(module, dataloaders, ckpt_path)
 
     def _predict_loader(self, module: JaxModule, loader: Any, ckpt_path: Any) -> Any:
-        first, batches = self._batches(loader, "the predict dataloader")
+        first, batches = self._eval_batches(loader, "the predict dataloader")
         variables = self._eval_variables(module, first, ckpt_path)
         key = ("predict", module)
         if key not in self._eval_fns:
@@ -713,5 +820,35 @@ class Trainer:
             self._call("on_predict_batch_end", module, batch_idx)
         self._drain()
         self._call("on_predict_end", module)
+        if jax.process_count() > 1:
+            return self._assemble_predictions(loader, [o for o, _ in outputs])
         rows = [jax.tree.map(lambda x, n=n: x[:n], self.strategy.gather(o)) for o, n in outputs]
         return jax.tree.map(lambda *xs: np.concatenate(xs), *rows)
+
+    def _assemble_predictions(self, loader: Any, outputs: list[Any]) -> Any:
+        """Every process's rows, back in dataset order (multi-process runs)."""
+        if not self.use_distributed_sampler:
+            raise ValueError(
+                "predict in a multi-process run needs use_distributed_sampler=True, so the "
+                "Trainer knows which process holds which example"
+            )
+        processes, b = jax.process_count(), loader.batch_size
+        sampler = EpochSampler(
+            len(loader.dataset),
+            shuffle=isinstance(loader.sampler, RandomSampler),
+            seed=self.seed,
+            replicas=processes,
+        )
+        shares = [sampler.share(p) for p in range(processes)]
+        gathered = [self.strategy.gather(o) for o in outputs]
+        padded = jax.tree.leaves(gathered[0])[0].shape[0] // processes
+
+        def place(*steps: np.ndarray) -> np.ndarray:
+            out = np.empty((len(loader.dataset), *steps[0].shape[1:]), steps[0].dtype)
+            for k, rows in enumerate(steps):
+                for p, share in enumerate(shares):
+                    idx = share[k * b : (k + 1) * b]
+                    out[idx] = rows[p * padded : p * padded + len(idx)]
+            return out
+
+        return jax.tree.map(place, *gathered)

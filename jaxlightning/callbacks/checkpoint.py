@@ -7,6 +7,9 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from jaxlightning import distributed
 from jaxlightning.callbacks.base import Callback
 from jaxlightning.checkpoint import CheckpointWriter, complete_checkpoints
 
@@ -115,6 +118,8 @@ class ModelCheckpoint(Callback):
         due = n is not None and trainer.global_step % n == 0
         elapsed = time.monotonic() - self._last_save_time
         timed = self.train_time_interval is not None and elapsed >= self.train_time_interval
+        if self.train_time_interval is not None:
+            timed = bool(distributed.broadcast(np.bool_(timed)))  # every process saves together
         if due or timed:
             self.save(trainer, module)
 

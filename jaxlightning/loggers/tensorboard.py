@@ -7,9 +7,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summary
 
+from jaxlightning import distributed
 from jaxlightning.loggers.base import Logger
 
 
@@ -28,7 +30,8 @@ class TensorBoardLogger(Logger):
     """Writes scalars and hparams to ``{save_dir}/{name}/version_{N}/``.
 
     The version is the next free one, chosen when the writer is first needed,
-    so every run gets its own directory. Open it with
+    so every run gets its own directory. In a multi-process run only process 0
+    writes. Open it with
     ``tensorboard --logdir {save_dir}/{name}``.
 
     Args:
@@ -46,7 +49,10 @@ class TensorBoardLogger(Logger):
     @property
     def version(self) -> int:
         if self._version is None:
-            self._version = _next_version(os.path.join(self.save_dir, self.name))
+            # Process 0 picks it; in a multi-process run every process must ask at
+            # the same point (the Trainer does, at the start of each run).
+            version = _next_version(os.path.join(self.save_dir, self.name))
+            self._version = int(distributed.broadcast(np.int32(version)))
         return self._version
 
     @property
@@ -54,7 +60,10 @@ class TensorBoardLogger(Logger):
         return os.path.join(self.save_dir, self.name, f"version_{self.version}")
 
     @property
-    def writer(self) -> SummaryWriter:
+    def writer(self) -> SummaryWriter | None:
+        """The event writer; ``None`` on processes other than 0, which write nothing."""
+        if not distributed.is_rank_zero():
+            return None
         if self._writer is None:
             os.makedirs(self.log_dir, exist_ok=True)
             self._writer = SummaryWriter(logdir=self.log_dir)
@@ -64,13 +73,18 @@ class TensorBoardLogger(Logger):
         # SummaryWriter.add_hparams would write into a new sub-run; write the three
         # hparams summaries into this run instead so TensorBoard shows one run.
         values = {k: _hparam_value(v) for k, v in params.items()}
+        if self.writer is None:
+            return
         file_writer = self.writer.file_writer
         for summary in hparams_summary(values, {}):
             file_writer.add_summary(summary)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        writer = self.writer
+        if writer is None:
+            return
         for name, value in metrics.items():
-            self.writer.add_scalar(name, value, global_step=step)
+            writer.add_scalar(name, value, global_step=step)
 
     def finalize(self) -> None:
         # tensorboardX queues events for a writer thread that flush() does not

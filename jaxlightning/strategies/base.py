@@ -22,9 +22,10 @@ class Strategy(abc.ABC):
     Contract, in the order the Trainer calls it:
       * `setup(devices)` once per run, before anything is placed.
       * `replicate(tree)` puts a full copy of ``tree`` on every device.
-      * `put_batch(tree)` places a host batch (numpy, leading dimension a multiple
-        of `num_devices`) split along its leading axis. May run on a background
-        thread.
+      * `put_batch(tree)` places this process's host batch (numpy, leading
+        dimension a multiple of `num_local_devices`) split along its leading
+        axis; in a multi-process run the global batch is every process's batch
+        together. May run on a background thread.
       * `compile(fn, ...)` wraps a per-device function once; the result takes
         replicated and sharded arguments as returned by the two methods above.
       * `unreplicate(tree)` gives one copy of a replicated output;
@@ -51,7 +52,14 @@ class Strategy(abc.ABC):
 
     @property
     def num_devices(self) -> int:
+        """Devices over all processes."""
         return len(self.devices)
+
+    @property
+    def num_local_devices(self) -> int:
+        """Devices of this process: a host batch is split over these."""
+        me = jax.process_index()
+        return sum(d.process_index == me for d in self.devices)
 
     @abc.abstractmethod
     def replicate(self, tree: Any) -> Any: ...

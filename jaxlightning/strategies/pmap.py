@@ -27,6 +27,11 @@ class PmapStrategy(Strategy):
     name = "pmap"
 
     def setup(self, devices: Sequence[jax.Device]) -> None:
+        if jax.process_count() > 1:
+            raise ValueError(
+                "strategy='pmap' runs in a single process only; use strategy='shard_map' "
+                "(the default) for multi-process runs"
+            )
         super().setup(devices)
         mesh = Mesh(np.asarray(self.devices), (_PMAP_AXIS,))
         self._stacked = NamedSharding(mesh, P(_PMAP_AXIS))

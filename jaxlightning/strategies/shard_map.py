@@ -17,8 +17,10 @@ class ShardMapStrategy(Strategy):
     """Data parallel with `jax.jit(jax.shard_map(...))`.
 
     State lives as replicated global arrays, batches as global arrays split along
-    their leading axis. Measured on these machines it dispatches ~3x faster
-    than `jax.pmap`, which since JAX 0.8 is itself built on jit and shard_map.
+    their leading axis. Works across processes: the mesh spans every process's
+    devices and each process contributes its own rows of each global batch.
+    Measured on these machines it dispatches ~3x faster than `jax.pmap`, which
+    since JAX 0.8 is itself built on jit and shard_map.
     """
 
     name = "shard_map"
@@ -36,10 +38,18 @@ class ShardMapStrategy(Strategy):
         return tree
 
     def put_batch(self, tree: Any) -> Any:
-        return jax.device_put(tree, self._sharded)
+        if jax.process_count() == 1:
+            return jax.device_put(tree, self._sharded)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self._sharded, x), tree
+        )
 
     def gather(self, tree: Any) -> Any:
-        return jax.tree.map(np.asarray, tree)
+        if jax.process_count() == 1:
+            return jax.tree.map(np.asarray, tree)
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(tree, tiled=True)
 
     def compile(
         self,

@@ -1,0 +1,117 @@
+"""Multi-process runs on JAX's own multi-controller runtime (`jax.distributed`).
+
+Every process runs the same script. `initialize` connects them before anything
+touches the devices; afterwards ``jax.devices()`` lists every process's devices
+and collectives span them all.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+
+# Set by `python -m jaxlightning.launch` (JAX itself reads JAX_COORDINATOR_ADDRESS).
+ENV_NUM_PROCESSES = "JAXLIGHTNING_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXLIGHTNING_PROCESS_ID"
+ENV_TIMEOUT = "JAXLIGHTNING_INIT_TIMEOUT"
+
+
+def _cluster_detected() -> bool:
+    """Whether JAX's own cluster detection (SLURM, Open MPI, Kubernetes...) applies."""
+    try:
+        from jax._src import clusters
+
+        return any(
+            env.is_env_present() and env.opt_in_only_method is False
+            for env in clusters.ClusterEnv._cluster_types
+        )
+    except Exception:  # private API moved: fall back to explicit variables only
+        return False
+
+
+def launched() -> bool:
+    """Whether this process was started as part of a multi-process job."""
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or _cluster_detected()
+
+
+def _backend_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)
+    except Exception:
+        return False
+
+
+def initialize(num_nodes: int | None = None, *, timeout_s: int | None = None) -> None:
+    """Connects this process to the job's others, once; a no-op when alone.
+
+    Args:
+        num_nodes: the number of processes expected (one per node, as JAX
+            recommends), or ``None`` to take what the environment says.
+        timeout_s: how long to wait for the coordinator before failing.
+
+    Raises:
+        RuntimeError: with the coordinator address, when it cannot be reached
+            in time, when JAX was already used before this call, or when
+            ``num_nodes`` disagrees with the job.
+    """
+    if jax.distributed.is_initialized():
+        _check_count(num_nodes)
+        return
+    if not launched():
+        if num_nodes not in (None, 1):
+            raise RuntimeError(
+                f"Trainer(num_nodes={num_nodes}) but this process was not started as part "
+                "of a multi-process job. Start it with `python -m jaxlightning.launch "
+                f"--nprocs {num_nodes} SCRIPT`, srun or mpirun, or set "
+                f"JAX_COORDINATOR_ADDRESS, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}"
+            )
+        return
+    if _backend_started():
+        raise RuntimeError(
+            "this process is part of a multi-process job, but JAX was used before the "
+            "Trainer could call jax.distributed.initialize(); create the Trainer (or call "
+            "jax.distributed.initialize()) before touching jax arrays or devices"
+        )
+    timeout = timeout_s or int(os.environ.get(ENV_TIMEOUT, "300"))
+    kwargs: dict[str, Any] = {"initialization_timeout": timeout}
+    if os.environ.get(ENV_NUM_PROCESSES):
+        kwargs["num_processes"] = int(os.environ[ENV_NUM_PROCESSES])
+        kwargs["process_id"] = int(os.environ[ENV_PROCESS_ID])
+    # CPU devices need a collectives implementation to talk across processes;
+    # the setting concerns the CPU backend only, so it is harmless elsewhere.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS", "(from the cluster environment)")
+    try:
+        jax.distributed.initialize(**kwargs)
+    except Exception as exc:
+        raise RuntimeError(
+            f"could not join the multi-process job through coordinator {address} within "
+            f"{timeout} s: {exc}. Check that process 0 is running and the address is "
+            "reachable from here"
+        ) from exc
+    _check_count(num_nodes)
+
+
+def _check_count(num_nodes: int | None) -> None:
+    if num_nodes is not None and num_nodes != jax.process_count():
+        raise RuntimeError(
+            f"Trainer(num_nodes={num_nodes}) but the job has {jax.process_count()} processes; "
+            "run one process per node, or leave num_nodes unset"
+        )
+
+
+def is_rank_zero() -> bool:
+    return jax.process_index() == 0
+
+
+def broadcast(value: Any) -> Any:
+    """Process 0's ``value`` on every process (a no-op when alone)."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.broadcast_one_to_all(value)

@@ -1,0 +1,151 @@
+"""Multi-process runs: 2 processes x 4 CPU devices over gloo, started by the launcher."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jaxlightning as jl
+from jaxlightning.checkpoint import complete_checkpoints
+from tests import run_multihost
+from tests.helpers import (
+    LitMLP,
+    digits,
+    init_mlp,
+    loader,
+    max_abs_diff,
+    np_cross_entropy,
+    np_logits,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "tests" / "run_multihost.py")
+
+
+def launch(*args, **popen):
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxlightning.launch",
+        "--nprocs",
+        "2",
+        "--devices-per-proc",
+        "4",
+        SCRIPT,
+        *map(str, args),
+    ]
+    env = {**os.environ, "XLA_FLAGS": ""}
+    if popen:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, **popen)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two")
+    result = launch("--root", root, "--out", root / "result.npz")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "[rank 0] DONE rank=0 step=4" in result.stdout
+    assert "[rank 1] DONE rank=1 step=4" in result.stdout
+    with np.load(root / "result.npz") as f:
+        return root, dict(f)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("one")
+    run_multihost.main(["--root", str(root), "--out", str(root / "result.npz")])
+    with np.load(root / "result.npz") as f:
+        return root, dict(f)
+
+
+def test_two_processes_of_four_devices_equal_one_process_of_eight(two_process_run, one_process_run):
+    _, two = two_process_run
+    _, one = one_process_run
+    assert (int(two["processes"]), int(two["devices"])) == (2, 8)
+    assert (int(one["processes"]), int(one["devices"])) == (1, 8)
+    params = [k for k in one if k.startswith("[")]
+    assert len(params) == 6
+    for k in params:
+        np.testing.assert_allclose(two[k], one[k], atol=1e-6, err_msg=k)
+
+
+def test_validation_is_exact_across_processes(two_process_run, one_process_run):
+    _, two = two_process_run
+    _, one = one_process_run
+    assert two["val_acc"] == one["val_acc"]  # every example counted once
+    x, y = digits(45, offset=1000)
+    params = {}
+    for k, v in two.items():
+        m = re.fullmatch(r"\['(\w+)'\]\['(\w+)'\]", k)
+        if m:
+            params.setdefault(m.group(1), {})[m.group(2)] = v
+    logits = np_logits(params, x)
+    assert float(two["val_loss"]) == pytest.approx(np_cross_entropy(logits, y).mean(), abs=1e-6)
+    assert float(two["val_acc"]) == pytest.approx((logits.argmax(-1) == y).mean(), abs=1e-7)
+    assert two["logits"].shape == (45, 10)  # predict: one row per example, in order
+    np.testing.assert_allclose(two["logits"], logits, atol=1e-4)
+
+
+def test_one_run_directory_and_one_set_of_checkpoints(two_process_run):
+    root, _ = two_process_run
+    assert sorted(os.listdir(root)) == ["lightning_logs", "result.npz"]
+    assert os.listdir(root / "lightning_logs") == ["version_0"]
+    names = [
+        Path(p).name for p in complete_checkpoints(root / "lightning_logs/version_0/checkpoints")
+    ]
+    assert names == ["4"]
+
+
+def test_two_process_checkpoint_resumes_in_one_process(two_process_run):
+    root, _ = two_process_run
+    ckpt = complete_checkpoints(root / "lightning_logs/version_0/checkpoints")[-1]
+    x, y = digits(200)
+
+    def fit(ckpt_path=None):
+        trainer = jl.Trainer(
+            max_epochs=2, logger=False, enable_progress_bar=False, enable_checkpointing=False
+        )
+        model = LitMLP(lr=1e-2, init_variables=init_mlp())
+        trainer.fit(model, loader(x, y, 64), ckpt_path=ckpt_path)
+        return trainer
+
+    resumed, straight = fit(ckpt), fit()
+    assert resumed.global_step == straight.global_step == 8
+    assert max_abs_diff(resumed.state.params, straight.state.params) < 1e-5
+    assert max_abs_diff(resumed.state.opt_state, straight.state.opt_state) < 1e-5
+
+
+def test_killing_one_process_stops_the_other_and_fails(tmp_path):
+    proc = launch(
+        "--root",
+        tmp_path,
+        "--epochs",
+        "100",
+        "--sleep-per-step",
+        "0.3",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    pids, lines = {}, []
+    for line in proc.stdout:
+        lines.append(line)
+        if m := re.match(r"\[launch\] rank (\d) pid (\d+)", line):
+            pids[int(m.group(1))] = int(m.group(2))
+        if line.startswith("[rank 1] step 2"):
+            break
+    assert len(pids) == 2, "".join(lines)
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    out, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - start < 60
+    assert proc.returncode != 0
+    assert "rank 1 exited with status -9; stopping the others" in out
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)
