@@ -86,29 +86,35 @@ def digits_loaders(batch_size: int, seed: int = 0) -> tuple[DataLoader, DataLoad
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=128, help="per process")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--root-dir", default=".")
     parser.add_argument("--no-progress-bar", action="store_true")
     args = parser.parse_args(argv)
 
-    devices = jax.local_devices()
-    if devices[0].platform == "cpu":
-        print(f"No accelerator found: simulating {len(devices)} CPU devices.")
-    print(f"Training data-parallel on {len(devices)} {devices[0].platform} device(s).")
-
-    train_loader, val_loader = digits_loaders(args.batch_size)
+    # The Trainer comes first: in a multi-process job it must connect the
+    # processes before anything touches the devices.
     trainer = jl.Trainer(
         max_epochs=args.epochs,
         default_root_dir=args.root_dir,
         enable_progress_bar=not args.no_progress_bar,
         log_every_n_steps=10,
     )
+    say = print if jax.process_index() == 0 else (lambda *a: None)
+    devices = jax.devices()
+    if devices[0].platform == "cpu":
+        say(f"No accelerator found: simulating {len(jax.local_devices())} CPU devices.")
+    say(
+        f"Training data-parallel on {len(devices)} {devices[0].platform} device(s)"
+        + (f" in {jax.process_count()} processes." if jax.process_count() > 1 else ".")
+    )
+
+    train_loader, val_loader = digits_loaders(args.batch_size)
     model = LitDigits(lr=args.lr)
     trainer.fit(model, train_loader, val_loader)
     (result,) = trainer.validate(model, val_loader)
-    print(f"Final validation accuracy: {result['val/acc']:.4f} (loss {result['val/loss']:.4f})")
-    print(f"TensorBoard: tensorboard --logdir {os.path.dirname(trainer.log_dir)}")
+    say(f"Final validation accuracy: {result['val/acc']:.4f} (loss {result['val/loss']:.4f})")
+    say(f"TensorBoard: tensorboard --logdir {os.path.dirname(trainer.log_dir)}")
     return result["val/acc"]
 
 
