@@ -18,6 +18,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from clu import metrics as clu_metrics
 
@@ -80,6 +81,43 @@ def _merge_train(acc: TrainMetrics | None, new: Metrics, step: jax.Array) -> Tra
         return TrainMetrics(new, bad)
     first = jnp.where(acc.first_nonfinite > 0, acc.first_nonfinite, bad)
     return TrainMetrics(_merge(acc.metrics, new), first)
+
+
+def _zero_average() -> clu_metrics.Average:
+    return clu_metrics.Average(total=np.zeros((), np.float32), count=np.zeros((), np.int32))
+
+
+def _logged_names(module: JaxModule, hook: Callable[..., Any], *args: Any) -> list[str]:
+    """The names ``hook`` logs, from an abstract trace of the hook alone.
+
+    Cheaper than tracing a whole step (no gradient, no collectives), and needs
+    no device: the step functions take their accumulators as inputs, so their
+    structure must be known before the step is traced for real.
+    """
+    names: list[str] = []
+
+    def run(*args: Any) -> None:
+        with module._collect_logs() as logged:
+            hook(*args)
+        names.extend(logged)
+
+    jax.eval_shape(run, *args)
+    return names
+
+
+def zero_train_metrics(module: JaxModule, state: TrainState, batch: Any) -> TrainMetrics:
+    """An empty `TrainMetrics` for ``module``'s logs (``batch``: one device's shard)."""
+    rngs = {s: state.rng for s in module.rng_streams}
+    names = _logged_names(module, module.loss, state.variables, batch, rngs)
+    metrics = {name: _zero_average() for name in names}
+    metrics["loss"] = _zero_average()
+    return TrainMetrics(metrics, np.zeros((), np.int32))
+
+
+def zero_eval_metrics(module: JaxModule, variables: Any, batch: Any) -> Metrics:
+    """Empty accumulators for what ``module.eval_step`` logs."""
+    names = _logged_names(module, module.eval_step, variables, batch)
+    return {name: _zero_average() for name in names}
 
 
 def _split_loss_output(out: Any, model_state: Mapping[str, Any]) -> tuple[Any, dict]:
