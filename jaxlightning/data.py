@@ -168,6 +168,8 @@ _END = object()
 class Prefetcher:
     """Iterates ``loader`` on a background thread, ``depth`` batches ahead.
 
+    ``depth=0`` prepares each batch in the consuming thread instead.
+
     Each item goes through ``prepare`` (conversion, padding, device placement)
     on that thread, so loading and host-to-device copies overlap the step.
     Exceptions are re-raised in the consuming thread. Call `close` (or use it as
@@ -175,8 +177,12 @@ class Prefetcher:
     """
 
     def __init__(self, loader: Iterable[Any], prepare: Callable[[Any], Any], depth: int = 2):
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        if depth == 0:  # no thread: prepare each item when it is asked for
+            self._sync: Iterator[Any] | None = (prepare(item) for item in loader)
+            return
+        self._sync = None
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(
             target=self._work, args=(loader, prepare), daemon=True, name="jl-prefetch"
         )
@@ -202,6 +208,9 @@ class Prefetcher:
         self._put(_END)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._sync is not None:
+            yield from self._sync
+            return
         while True:
             item = self._queue.get()
             if item is _END:
@@ -212,7 +221,8 @@ class Prefetcher:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._sync is None:
+            self._thread.join(timeout=10)
 
     def __enter__(self) -> Prefetcher:
         return self

@@ -264,7 +264,7 @@ class Trainer:
             return DeviceBatch(host, data, mask)
 
         source = loader if total is None else _exactly(loader, total)
-        prefetcher = Prefetcher(source, prepare)
+        prefetcher = Prefetcher(source, prepare, depth=self.strategy.prefetch_depth)
         iterator = iter(prefetcher)
         try:
             first = next(iterator)

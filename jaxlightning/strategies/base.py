@@ -36,19 +36,29 @@ class Strategy(abc.ABC):
         max_in_flight: the most steps the Trainer dispatches before waiting for
             the oldest to finish. Bounding it caps memory and avoids the XLA CPU
             collectives deadlock of long runs of queued all-reduces.
+        prefetch_depth: batches converted, padded and placed ahead of the step
+            on a background thread; 0 does it in the loop itself.
     """
 
     name: str = "base"
     axis_name: str = AXIS
 
-    def __init__(self, *, max_in_flight: int = 2) -> None:
+    def __init__(self, *, max_in_flight: int = 2, prefetch_depth: int | None = None) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if prefetch_depth is not None and prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
         self.max_in_flight = max_in_flight
+        self._prefetch_depth = prefetch_depth
         self.devices: list[jax.Device] = []
 
     def setup(self, devices: Sequence[jax.Device]) -> None:
         self.devices = list(devices)
+
+    @property
+    def prefetch_depth(self) -> int:
+        """Batches prepared ahead on a background thread (0: none, in the loop)."""
+        return 2 if self._prefetch_depth is None else self._prefetch_depth
 
     @property
     def num_devices(self) -> int:

@@ -52,7 +52,8 @@ class PmapStrategy(Strategy):
         n = self.num_devices
 
         def split(x: np.ndarray) -> jax.Array:
-            return jax.device_put(x.reshape(n, x.shape[0] // n, *x.shape[1:]), self._stacked)
+            stacked = x.reshape(n, x.shape[0] // n, *x.shape[1:])
+            return jax.device_put(stacked, self._stacked, may_alias=True)
 
         return jax.tree.map(split, tree)
 

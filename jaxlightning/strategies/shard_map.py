@@ -30,6 +30,9 @@ class ShardMapStrategy(Strategy):
         self.mesh = Mesh(np.asarray(self.devices), (self.axis_name,))
         self._replicated = NamedSharding(self.mesh, P())
         self._sharded = NamedSharding(self.mesh, P(self.axis_name))
+        self._host_is_device = jax.process_count() == 1 and all(
+            d.platform == "cpu" for d in self.devices
+        )
 
     def replicate(self, tree: Any) -> Any:
         return jax.device_put(tree, self._replicated)
@@ -38,8 +41,15 @@ class ShardMapStrategy(Strategy):
         return tree
 
     def put_batch(self, tree: Any) -> Any:
+        if self._host_is_device:
+            # On the CPU backend device memory is host memory: nothing to copy
+            # ahead. The compiled step takes the numpy arrays as they are (its
+            # in_shardings place them), which measured cheaper than device_put.
+            return tree
         if jax.process_count() == 1:
-            return jax.device_put(tree, self._sharded)
+            # Host batches are fresh arrays nobody writes to again: letting the
+            # device alias them saves a copy (half the transfer time on CPU).
+            return jax.device_put(tree, self._sharded, may_alias=True)
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(self._sharded, x), tree
         )
@@ -71,4 +81,5 @@ class ShardMapStrategy(Strategy):
             # the step functions reduce explicitly, as under pmap.
             check_vma=False,
         )
-        return jax.jit(mapped, donate_argnums=donate_argnums)
+        shardings = tuple(self._sharded if s else self._replicated for s in sharded_args)
+        return jax.jit(mapped, in_shardings=shardings, donate_argnums=donate_argnums)

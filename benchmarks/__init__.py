@@ -1,0 +1,1 @@
+"""Benchmarks: the Trainer against hand-written loops and PyTorch Lightning."""

@@ -1,0 +1,277 @@
+"""The benchmark arms. Each returns a dict of results; run.py prints and saves them."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import jax
+
+from benchmarks import common, lightning_arm
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def vs_bare_jit(size: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Arm 1: Trainer.fit vs a bare jax.jit loop, digits-sized MLP, 1 device."""
+    out: dict[str, Any] = {}
+    for batch in (128, 1024):
+        x, y = common.data(size["steps"] * batch, 64)
+        dl = common.loader(x, y, batch)
+        res = common.interleave(
+            rounds,
+            {
+                "bare": lambda dl=dl: common.bare_jit_epochs(dl, size["epochs"]),
+                "trainer": lambda dl=dl: common.trainer_epochs(dl, size["epochs"], devices=1),
+            },
+        )
+        bare = [common.steady(t) for t, _ in res["bare"]]
+        ours = [common.steady(t) for t, _ in res["trainer"]]
+        out[f"batch_{batch}"] = {
+            "ratio": _median([b / o for b, o in zip(bare, ours, strict=True)]),
+            "overhead_us_per_step": _median(
+                [(o - b) / size["steps"] * 1e6 for b, o in zip(bare, ours, strict=True)]
+            ),
+            "trainer_samples_per_s": size["steps"] * batch / _median(ours),
+            "bare_samples_per_s": size["steps"] * batch / _median(bare),
+            "params_max_diff": common.max_diff(res["bare"][0][1], res["trainer"][0][1]),
+        }
+    return out
+
+
+def vs_seeds_pmap(size: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Arm 2: Trainer.fit vs the seeds' hand-written pmap loop, on all local devices."""
+    batch = 128
+    x, y = common.data(size["steps"] * batch, 64)
+    dl = common.loader(x, y, batch)
+    res = common.interleave(
+        rounds,
+        {
+            "seeds": lambda: common.seeds_pmap_epochs(dl, size["epochs"]),
+            "trainer": lambda: common.trainer_epochs(dl, size["epochs"]),
+        },
+    )
+    seeds = [common.steady(t) for t, _ in res["seeds"]]
+    ours = [common.steady(t) for t, _ in res["trainer"]]
+    return {
+        "devices": jax.local_device_count(),
+        "ratio": _median([s / o for s, o in zip(seeds, ours, strict=True)]),
+        "trainer_samples_per_s": size["steps"] * batch / _median(ours),
+        "seeds_samples_per_s": size["steps"] * batch / _median(seeds),
+        "params_max_diff": common.max_diff(res["seeds"][0][1], res["trainer"][0][1]),
+    }
+
+
+def vs_lightning(size: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Arm 3: samples/s and a whole 10-epoch fit with validation, vs PyTorch Lightning."""
+    if not lightning_arm.available():
+        return {"skipped": "lightning is not installed (pip install -e '.[bench]')"}
+    batch, epochs = 128, size["fit_epochs"]
+    x, y = common.data(size["steps"] * batch, 64)
+    vx, vy = common.data(size["steps"] * batch // 8, 64, seed=1)
+    dl, val = common.loader(x, y, batch), common.loader(vx, vy, batch)
+
+    def ours() -> tuple[list[float], float]:
+        times = common.EpochTimes()
+        with tempfile.TemporaryDirectory() as root:
+            start = time.perf_counter()
+            import jaxlightning as jl
+
+            trainer = jl.Trainer(
+                max_epochs=epochs,
+                devices=1,
+                enable_progress_bar=False,
+                default_root_dir=root,
+                callbacks=[times],
+            )
+            trainer.fit(common.LitMLP(), dl, val)
+            return times.times, time.perf_counter() - start
+
+    def theirs() -> tuple[list[float], float]:
+        with tempfile.TemporaryDirectory() as root:
+            start = time.perf_counter()
+            times = lightning_arm.fit(dl, epochs, root, val)
+            return times, time.perf_counter() - start
+
+    res = common.interleave(rounds, {"trainer": ours, "lightning": theirs})
+    ours_epoch = [common.steady(t) for t, _ in res["trainer"]]
+    pl_epoch = [common.steady(t) for t, _ in res["lightning"]]
+    return {
+        "samples_per_s_ratio": _median([p / o for p, o in zip(pl_epoch, ours_epoch, strict=True)]),
+        "trainer_samples_per_s": size["steps"] * batch / _median(ours_epoch),
+        "lightning_samples_per_s": size["steps"] * batch / _median(pl_epoch),
+        "fit_wall_s_trainer": _median([w for _, w in res["trainer"]]),
+        "fit_wall_s_lightning": _median([w for _, w in res["lightning"]]),
+        "fit_wall_ratio": _median(
+            [p / o for (_, o), (_, p) in zip(res["trainer"], res["lightning"], strict=True)]
+        ),
+    }
+
+
+def logging_cost(size: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Arm 5: log_every_n_steps=1 vs 50 vs logging off (TensorBoard on for the first two)."""
+    batch = 128
+    x, y = common.data(size["steps"] * batch, 64)
+    dl = common.loader(x, y, batch)
+    roots = {k: tempfile.mkdtemp() for k in ("every_1", "every_50")}
+
+    def arm(every: int | None):
+        if every is None:
+            return common.trainer_epochs(dl, size["epochs"], devices=1, log_every_n_steps=10**9)
+        import jaxlightning as jl
+
+        return common.trainer_epochs(
+            dl,
+            size["epochs"],
+            devices=1,
+            log_every_n_steps=every,
+            logger=jl.TensorBoardLogger(roots[f"every_{every}"]),
+        )
+
+    res = common.interleave(
+        rounds,
+        {
+            "every_1": lambda: arm(1),
+            "every_50": lambda: arm(50),
+            "off": lambda: arm(None),
+        },
+    )
+    off = [common.steady(t) for t, _ in res["off"]]
+    out = {}
+    for name in ("every_1", "every_50"):
+        t = [common.steady(x) for x, _ in res[name]]
+        out[f"{name}_vs_off"] = _median([o / v for o, v in zip(off, t, strict=True)])
+        out[f"params_max_diff_{name}"] = common.max_diff(res[name][0][1], res["off"][0][1])
+    return out
+
+
+def strategies(size: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Arm 6: pmap vs shard_map, on all local devices and on one."""
+    batch = 128
+    x, y = common.data(size["steps"] * batch, 64)
+    dl = common.loader(x, y, batch)
+    out = {}
+    for devices in sorted({1, jax.local_device_count()}):
+        res = common.interleave(
+            rounds,
+            {
+                s: (
+                    lambda s=s, devices=devices: common.trainer_epochs(
+                        dl, size["epochs"], devices=devices, strategy=s
+                    )
+                )
+                for s in ("pmap", "shard_map")
+            },
+        )
+        pm = [common.steady(t) for t, _ in res["pmap"]]
+        sm = [common.steady(t) for t, _ in res["shard_map"]]
+        out[f"devices_{devices}"] = {
+            "shard_map_speedup": _median([p / s for p, s in zip(pm, sm, strict=True)]),
+            "params_max_diff": common.max_diff(res["pmap"][0][1], res["shard_map"][0][1]),
+        }
+    return out
+
+
+def slow_loader(size: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Arm 7: a DataLoader that takes ~1 ms per batch; prefetching should hide it."""
+    from torch.utils.data import default_collate
+
+    def slow_collate(items):
+        time.sleep(0.001)
+        return default_collate(items)
+
+    batch = 128
+    x, y = common.data(size["steps"] * batch, 64)
+    fast, slow = common.loader(x, y, batch), common.loader(x, y, batch, slow_collate)
+    res = common.interleave(
+        rounds,
+        {
+            "trainer_fast": lambda: common.trainer_epochs(fast, size["epochs"], devices=1),
+            "trainer_slow": lambda: common.trainer_epochs(slow, size["epochs"], devices=1),
+            "bare_fast": lambda: common.bare_jit_epochs(fast, size["epochs"]),
+            "bare_slow": lambda: common.bare_jit_epochs(slow, size["epochs"]),
+        },
+    )
+    t = {k: [common.steady(x) for x, _ in v] for k, v in res.items()}
+    return {
+        "trainer_slow_over_fast": _median(
+            [s / f for s, f in zip(t["trainer_slow"], t["trainer_fast"], strict=True)]
+        ),
+        "bare_slow_over_fast": _median(
+            [s / f for s, f in zip(t["bare_slow"], t["bare_fast"], strict=True)]
+        ),
+        "trainer_vs_bare_slow": _median(
+            [b / o for b, o in zip(t["bare_slow"], t["trainer_slow"], strict=True)]
+        ),
+        "added_ms_per_step_trainer": _median(
+            [
+                (s - f) / size["steps"] * 1e3
+                for s, f in zip(t["trainer_slow"], t["trainer_fast"], strict=True)
+            ]
+        ),
+    }
+
+
+def _startup(framework: str, cache: str | None, samples: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as root:
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.startup",
+            "--framework",
+            framework,
+            "--root",
+            root,
+            "--samples",
+            str(samples),
+        ]
+        if cache:
+            cmd += ["--cache", cache]
+        done = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=os.path.dirname(os.path.dirname(__file__)),
+        )
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-2000:])
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def startup(size: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Arms 4 and 8: fresh processes; cold, with a warm compilation cache, and Lightning."""
+    samples = size["short_samples"]
+    cache = tempfile.mkdtemp(prefix="jl-cache-")
+    _startup("jl", cache, samples)  # fills the cache
+    arms = {
+        "cold": lambda: _startup("jl", None, samples),
+        "warm": lambda: _startup("jl", cache, samples),
+    }
+    if lightning_arm.available():
+        arms["lightning"] = lambda: _startup("lightning", None, samples)
+    res = common.interleave(rounds, arms)
+    out: dict[str, Any] = {}
+    for name, runs in res.items():
+        out[f"{name}_first_step_s"] = _median([r["first_step"] for r in runs])
+        out[f"{name}_fit_s"] = _median([r["fit"] for r in runs])
+    out["cold_compiled_per_fit"] = res["cold"][0]["compiled"]
+    out["warm_compiled_per_fit"] = res["warm"][0]["compiled"]
+    out["warm_cache_hits_per_fit"] = res["warm"][0]["cache_hits"]
+    out["warm_over_cold_first_step"] = _median(
+        [w["first_step"] / c["first_step"] for w, c in zip(res["warm"], res["cold"], strict=True)]
+    )
+    if "lightning" in res:
+        for name in ("cold", "warm"):
+            out[f"{name}_fit_over_lightning"] = _median(
+                [o["fit"] / p["fit"] for o, p in zip(res[name], res["lightning"], strict=True)]
+            )
+    return out

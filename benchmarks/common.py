@@ -1,0 +1,177 @@
+"""Shared pieces of the benchmark arms: data, models, the hand-written loops."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import flax.jax_utils
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import torch
+from flax.training import train_state
+from torch.utils.data import DataLoader, TensorDataset
+
+import jaxlightning as jl
+
+LR = 1e-3
+
+
+class MLP(nn.Module):
+    """The benchmark model: in -> 256 -> 256 -> 10 (digits: 64 inputs, MNIST: 784)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.relu(nn.Dense(256)(x))
+        x = nn.relu(nn.Dense(256)(x))
+        return nn.Dense(10)(x)
+
+
+class LitMLP(jl.JaxModule):
+    def __init__(self):
+        super().__init__()
+        self.net = MLP()
+
+    def setup(self, rng, batch):
+        return self.net.init(rng, batch[0])
+
+    def configure_optimizers(self):
+        return optax.adam(LR)
+
+    def loss(self, variables, batch, rngs):
+        logits = self.net.apply(variables, batch[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1])
+
+    def eval_step(self, variables, batch):
+        logits = self.net.apply(variables, batch[0])
+        self.log("acc", logits.argmax(-1) == batch[1])
+
+
+def data(n: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, features)).astype(np.float32), rng.integers(0, 10, n)
+
+
+def loader(x: np.ndarray, y: np.ndarray, batch_size: int, collate: Any = None) -> DataLoader:
+    ds = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+    kwargs = {"collate_fn": collate} if collate is not None else {}
+    return DataLoader(ds, batch_size=batch_size, **kwargs)
+
+
+def init_params(features: int, seed: int = 0) -> dict:
+    return MLP().init(jax.random.PRNGKey(seed), np.zeros((1, features), np.float32))
+
+
+class EpochTimes(jl.Callback):
+    """Wall time of each training epoch, the device work of the epoch included."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_epoch_start(self, trainer, module) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer, module) -> None:
+        jax.block_until_ready(trainer._state)
+        self.times.append(time.perf_counter() - self._start)
+
+
+def trainer_epochs(dl: DataLoader, epochs: int, **trainer_kw: Any) -> tuple[list[float], Any]:
+    """Trainer.fit for ``epochs``; returns the epoch times and final params."""
+    times = EpochTimes()
+    trainer_kw.setdefault("logger", False)
+    trainer_kw.setdefault("enable_checkpointing", False)
+    trainer = jl.Trainer(
+        max_epochs=epochs, enable_progress_bar=False, callbacks=[times], **trainer_kw
+    )
+    module = LitMLP()
+    module.variables = init_params(dl.dataset.tensors[0].shape[1])
+    trainer.fit(module, dl)
+    return times.times, jax.device_get(trainer.state.params)
+
+
+def bare_jit_epochs(dl: DataLoader, epochs: int) -> tuple[list[float], Any]:
+    """The hand-written baseline: one jitted step over the same DataLoader."""
+    net, tx = MLP(), optax.adam(LR)
+    params = init_params(dl.dataset.tensors[0].shape[1])
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        def loss_fn(p):
+            logits = net.apply(p, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        grads = jax.grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    times = []
+    for _ in range(epochs):
+        start = time.perf_counter()
+        for x, y in dl:
+            params, opt_state = step(params, opt_state, x.numpy(), y.numpy())
+        jax.block_until_ready(params)
+        times.append(time.perf_counter() - start)
+    return times, jax.device_get(params)
+
+
+def seeds_pmap_epochs(dl: DataLoader, epochs: int) -> tuple[list[float], Any]:
+    """The seeds' hand-written pmap loop: replicate, reshape, host key splits, pmean."""
+    n = jax.local_device_count()
+    net = MLP()
+    state = train_state.TrainState.create(
+        apply_fn=net.apply,
+        params=init_params(dl.dataset.tensors[0].shape[1])["params"],
+        tx=optax.adam(LR),
+    )
+
+    def train_step(state, x, y, dropout_key):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, x, rngs={"dropout": dropout_key})
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        grads = jax.lax.pmean(jax.grad(loss_fn)(state.params), "batch")
+        return state.apply_gradients(grads=grads)
+
+    p_train_step = jax.pmap(train_step, "batch", donate_argnums=(0,))
+    state = flax.jax_utils.replicate(state)
+    key = jax.random.PRNGKey(0)
+    times = []
+    for _ in range(epochs):
+        start = time.perf_counter()
+        for x, y in dl:
+            xs = x.numpy().reshape(n, -1, *x.shape[1:])
+            ys = y.numpy().reshape(n, -1)
+            key, dropout_key = jax.random.split(key)
+            dropout_keys = jax.random.split(dropout_key, n)
+            state = p_train_step(state, xs, ys, dropout_keys)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - start)
+    return times, jax.device_get(jax.tree.map(lambda a: a[0], {"params": state.params}))
+
+
+def steady(times: list[float]) -> float:
+    """Median epoch time without the first (compiling) epoch."""
+    return statistics.median(times[1:]) if len(times) > 1 else times[0]
+
+
+def max_diff(a: Any, b: Any) -> float:
+    return max(
+        float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64))))
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def interleave(rounds: int, arms: dict[str, Callable[[], Any]]) -> dict[str, list[Any]]:
+    """Runs every arm once per round, in turn, so drift hits all arms alike."""
+    results: dict[str, list[Any]] = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, arm in arms.items():
+            results[name].append(arm())
+    return results

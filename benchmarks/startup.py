@@ -1,0 +1,93 @@
+"""One short job in a fresh process (arms 4 and 8): prints one JSON line.
+
+    python -m benchmarks.startup --framework jl|lightning --root DIR [--cache DIR]
+
+Process start and imports are excluded: the clock starts when the job builds
+its trainer. Reports the time to the first finished training step, the whole
+``fit`` (1 epoch, validation included) and, for jaxlightning, the number of XLA
+compilations and persistent-cache hits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--framework", choices=["jl", "lightning"], required=True)
+    p.add_argument("--root", required=True)
+    p.add_argument("--cache")
+    p.add_argument("--samples", type=int, default=20000)
+    p.add_argument("--features", type=int, default=784)
+    args = p.parse_args()
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+
+    from benchmarks import common
+
+    x, y = common.data(args.samples, args.features)
+    vx, vy = common.data(2000, args.features, seed=1)
+    train, val = common.loader(x, y, 128), common.loader(vx, vy, 128)
+    first: list[float] = []
+    if args.framework == "lightning":
+        import lightning  # noqa: F401  (imports are process start, not the job)
+
+        from benchmarks import lightning_arm
+
+        start = time.perf_counter()
+        lightning_arm.fit(train, 1, args.root, val, first_step=first)
+        end = time.perf_counter()
+        print(json.dumps({"first_step": first[0] - start, "fit": end - start}))
+        return
+
+    import jax
+
+    import jaxlightning as jl
+
+    events = {"compiles": 0, "cache_hits": 0}
+
+    def count(name: str, *a, **k) -> None:
+        if name == "/jax/core/compile/backend_compile_duration":
+            events["compiles"] += 1
+
+    def hits(name: str, **k) -> None:
+        if name == "/jax/compilation_cache/cache_hits":
+            events["cache_hits"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    jax.monitoring.register_event_listener(hits)
+
+    class First(jl.Callback):
+        def on_train_batch_end(self, trainer, module, batch_idx):
+            if not first:
+                jax.block_until_ready(trainer._state)
+                first.append(time.perf_counter())
+
+    start = time.perf_counter()
+    trainer = jl.Trainer(
+        max_epochs=1,
+        enable_progress_bar=False,
+        default_root_dir=args.root,
+        compilation_cache_dir=args.cache,
+        callbacks=[First()],
+    )
+    trainer.fit(common.LitMLP(), train, val)
+    end = time.perf_counter()
+    compiled = events["compiles"] - events["cache_hits"]  # the event fires for hits too
+    print(
+        json.dumps(
+            {
+                "first_step": first[0] - start,
+                "fit": end - start,
+                "compiled": compiled,
+                "cache_hits": events["cache_hits"],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The benchmark suite runs end to end on tiny settings (speed is not tested here)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_benchmark_suite_runs_on_tiny_settings(tmp_path):
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    single, multi = results["groups"]["single"], results["groups"]["multi"]
+    # Arms that should agree numerically do (the suite checks its own arms).
+    assert single["vs_bare_jit"]["batch_128"]["params_max_diff"] < 1e-4
+    assert single["vs_seeds_pmap"]["params_max_diff"] < 1e-5
+    assert multi["vs_seeds_pmap"]["devices"] == 8
+    assert multi["vs_seeds_pmap"]["params_max_diff"] < 1e-5
+    assert multi["strategies"]["devices_8"]["params_max_diff"] < 1e-6
+    assert single["logging_cost"]["params_max_diff_every_1"] == 0
+    for ratio in (single["vs_bare_jit"]["batch_128"]["ratio"], multi["vs_seeds_pmap"]["ratio"]):
+        assert ratio > 0
+    startup = results["groups"]["startup"]["startup"]
+    assert startup["cold_compiled_per_fit"] == 3  # init, train step, eval step
+    assert startup["warm_compiled_per_fit"] == 0  # all from the persistent cache
+    assert startup["warm_cache_hits_per_fit"] == 3
+    assert single["vs_lightning"]["lightning_samples_per_s"] > 0
+    assert "single.vs_bare_jit.batch_128.ratio" in done.stdout  # the table
