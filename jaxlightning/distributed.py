@@ -8,6 +8,8 @@ and collectives span them all.
 from __future__ import annotations
 
 import os
+import socket
+import time
 from typing import Any
 
 import jax
@@ -85,6 +87,10 @@ def initialize(num_nodes: int | None = None, *, timeout_s: int | None = None) ->
     # the setting concerns the CPU backend only, so it is harmless elsewhere.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     address = os.environ.get("JAX_COORDINATOR_ADDRESS", "(from the cluster environment)")
+    if kwargs.get("process_id", 0) != 0 and ":" in address:
+        # XLA aborts the whole process when the coordinator never answers; find
+        # out first, and fail with an error that can be read and caught.
+        _wait_for_coordinator(address, timeout)
     try:
         jax.distributed.initialize(**kwargs)
     except Exception as exc:
@@ -94,6 +100,23 @@ def initialize(num_nodes: int | None = None, *, timeout_s: int | None = None) ->
             "reachable from here"
         ) from exc
     _check_count(num_nodes)
+
+
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"could not reach the coordinator of the multi-process job at {address} "
+                    f"within {timeout_s:g} s ({exc}). Check that process 0 is running and "
+                    f"the address is reachable from here; {ENV_TIMEOUT} sets the wait"
+                ) from None
+            time.sleep(0.2)
 
 
 def _check_count(num_nodes: int | None) -> None:

@@ -149,3 +149,40 @@ def test_killing_one_process_stops_the_other_and_fails(tmp_path):
     assert "rank 1 exited with status -9; stopping the others" in out
     with pytest.raises(ProcessLookupError):
         os.kill(pids[0], 0)
+
+
+def _alone(code, **env):
+    """Runs ``code`` in a fresh process set up as rank 1 of a 2-process job."""
+    from jaxlightning.launch import free_port
+
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "",
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
+        "JAXLIGHTNING_NUM_PROCESSES": "2",
+        "JAXLIGHTNING_PROCESS_ID": "1",
+        **env,
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_unreachable_coordinator_fails_with_address_not_a_hang():
+    start = time.monotonic()
+    done = _alone("import jaxlightning as jl; jl.Trainer()", JAXLIGHTNING_INIT_TIMEOUT="2")
+    assert time.monotonic() - start < 60
+    assert done.returncode == 1
+    assert re.search(
+        r"RuntimeError: could not reach the coordinator of the multi-process job "
+        r"at 127\.0\.0\.1:\d+ within 2 s",
+        done.stderr,
+    ), done.stderr[-2000:]
+
+
+def test_using_jax_before_the_trainer_in_a_job_is_explained():
+    done = _alone("import jax.numpy as jnp, jaxlightning as jl; jnp.ones(2) + 1; jl.Trainer()")
+    assert done.returncode == 1
+    assert "JAX was used before the Trainer could call jax.distributed.initialize()" in (
+        done.stderr
+    ), done.stderr[-2000:]
