@@ -2,42 +2,29 @@
 
 from __future__ import annotations
 
-import glob
 import itertools
 import os
-import re
-import signal
-import warnings
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import optax
-from torch.utils.data import RandomSampler
 
 from jaxlightning import compile_cache, distributed
 from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
-from jaxlightning.checkpoint import find_last, json_safe, read_meta, restore, restore_variables
+from jaxlightning.checkpoint import read_meta, restore
 from jaxlightning.data import DeviceBatch, Padder, Prefetcher, loader_batch_size
+from jaxlightning.evaluation import EvaluationMixin, host_values, shard_shapes
 from jaxlightning.loggers import Logger, TensorBoardLogger
 from jaxlightning.module import JaxModule
-from jaxlightning.sampling import EpochSampler, common_num_batches, epoch_loader
+from jaxlightning.resume import CheckpointingMixin
+from jaxlightning.sampling import common_num_batches, epoch_loader
 from jaxlightning.signals import StopRequest
 from jaxlightning.state import TrainState, create_train_state
-from jaxlightning.step import (
-    Metrics,
-    TrainMetrics,
-    build_eval_step,
-    build_predict_step,
-    build_train_step,
-    zero_eval_metrics,
-    zero_train_metrics,
-)
+from jaxlightning.step import TrainMetrics, build_train_step, zero_train_metrics
 from jaxlightning.strategies import Strategy, resolve_strategy
-
-_STAGE_PREFIX = {"validation": "val", "test": "test"}
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -83,21 +70,7 @@ def _resolve_devices(devices: int | str | Sequence[jax.Device]) -> list[jax.Devi
     raise ValueError(f"devices={devices!r}: use 'auto', a count, or a list of jax devices")
 
 
-def _host_values(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:
-    """Host metric values from fetched clu averages; empty averages are left out."""
-    return {
-        f"{prefix}/{name}": float(m.total / m.count)
-        for name, m in metrics.items()
-        if int(m.count) > 0
-    }
-
-
-def _shard_shapes(tree: Any, rows: int) -> Any:
-    """Abstract shapes of one device's shard of a host batch."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), tree)
-
-
-class Trainer:
+class Trainer(EvaluationMixin, CheckpointingMixin):
     """Trains a `JaxModule` data-parallel over the local devices.
 
     Example:
@@ -376,7 +349,7 @@ class Trainer:
         state = self._init_state(module, tx, example_first)
         step_fn = build_train_step(module, tx)
         rows = example_first.host.mask.shape[0] // self.strategy.num_local_devices
-        acc0 = zero_train_metrics(module, state, _shard_shapes(example_first.host.data, rows))
+        acc0 = zero_train_metrics(module, state, shard_shapes(example_first.host.data, rows))
         acc = acc0
         if resume is not None:
             restored = restore(resume, {"state": state, "acc": acc0})
@@ -530,7 +503,7 @@ class Trainer:
     def _report_train(self, *, log: bool) -> None:
         acc = self._fetch(self._acc)
         self._check_finite(acc)
-        values = _host_values(acc.metrics, "train")
+        values = host_values(acc.metrics, "train")
         if not values:
             return
         self.callback_metrics = {**self.callback_metrics, **values}
@@ -542,302 +515,3 @@ class Trainer:
         self.callback_metrics = {**self.callback_metrics, **values}
         if self.logger is not None:
             self.logger.log_metrics(self.logged_metrics, step=self.global_step)
-
-    # ----------------------------------------------------------- checkpoints
-    @property
-    def checkpoint_callback(self) -> ModelCheckpoint | None:
-        """The first `ModelCheckpoint` among the callbacks."""
-        return next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
-
-    def _callback_keys(self) -> list[tuple[str, Callback]]:
-        seen: dict[str, int] = {}
-        keys = []
-        for cb in self.callbacks:
-            name = type(cb).__name__
-            seen[name] = seen.get(name, 0) + 1
-            keys.append((name if seen[name] == 1 else f"{name}_{seen[name]}", cb))
-        return keys
-
-    def _load_callback_states(self, states: Mapping[str, Any]) -> None:
-        for key, cb in self._callback_keys():
-            if key in states and hasattr(cb, "load_state_dict"):
-                cb.load_state_dict(states[key])
-
-    def checkpoint_payload(self, module: JaxModule) -> tuple[Any, dict[str, Any]]:
-        """What a checkpoint of the run holds now: arrays and a JSON record.
-
-        Waits for the steps in flight, and refuses (`NonFiniteLossError`) when
-        a step since the last report had a non-finite loss, so a bad state is
-        never saved.
-        """
-        if self._state is None:
-            raise RuntimeError("nothing to checkpoint: fit has not started")
-        self._drain()
-        acc = self._fetch(self._acc)
-        self._check_finite(acc)
-        tree = {"state": jax.device_get(self.strategy.unreplicate(self._state)), "acc": acc}
-        epoch, batch = self._progress
-        meta = {
-            "progress": {"epoch": epoch, "batch": batch, "global_step": self.global_step},
-            "callbacks": {
-                key: cb.state_dict()
-                for key, cb in self._callback_keys()
-                if hasattr(cb, "state_dict") and cb.state_dict()
-            },
-            "hparams": json_safe(module.hparams),
-            "module": f"{type(module).__module__}.{type(module).__qualname__}",
-            "seed": self.seed,
-            "log_dir": self.log_dir,
-            "num_devices": self.num_devices,
-        }
-        return tree, meta
-
-    def _agreed_signal(self, at_report: bool) -> int:
-        """The stop signal every process acts on, so that all stop at one step.
-
-        Alone, a signal counts at the next step. In a multi-process run the
-        processes compare notes at each logging interval (a collective).
-        """
-        signum = self._stop_request.signum or 0
-        if jax.process_count() == 1:
-            return signum
-        if not at_report:
-            return 0
-        from jax.experimental import multihost_utils
-
-        return int(np.max(multihost_utils.process_allgather(np.int32(signum))))
-
-    def _stop_on_signal(self, module: JaxModule) -> None:
-        name = signal.Signals(self._stop_signal).name
-        checkpoints = [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
-        paths = [c.save(self, module) for c in checkpoints]
-        for c in checkpoints:
-            c.finish(prune=True)
-        if not distributed.is_rank_zero():
-            pass
-        elif paths:
-            print(
-                f"Received {name} at step {self.global_step}: saved {paths[0]}. Resume with "
-                "trainer.fit(model, ..., ckpt_path='last') (or that path).",
-                flush=True,
-            )
-        else:
-            print(
-                f"Received {name} at step {self.global_step}: no ModelCheckpoint, nothing saved.",
-                flush=True,
-            )
-        raise SystemExit(128 + self._stop_signal)
-
-    def _checkpoint_dirs(self) -> list[str]:
-        dirs = []
-        cb = self.checkpoint_callback
-        if cb is not None and cb.dirpath is not None:
-            dirs.append(os.path.abspath(cb.dirpath))
-        if isinstance(self.logger, TensorBoardLogger):
-            root = os.path.join(self.logger.save_dir, self.logger.name)
-            dirs += glob.glob(os.path.join(root, "version_*", "checkpoints"))
-        dirs.append(os.path.join(self.default_root_dir, "checkpoints"))
-        return dirs
-
-    def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike[str]) -> str:
-        if ckpt_path not in ("last", "best"):
-            return os.path.abspath(os.fspath(ckpt_path))
-        cb = self.checkpoint_callback
-        if ckpt_path == "best" and cb is not None and cb.best_model_path:
-            return cb.best_model_path
-        last = find_last(self._checkpoint_dirs())
-        if last is None:
-            raise FileNotFoundError(
-                f"ckpt_path={ckpt_path!r}: no complete checkpoint in "
-                f"{sorted(set(self._checkpoint_dirs()))}; pass a checkpoint folder instead"
-            )
-        if ckpt_path == "last":
-            return last
-        best = read_meta(last).get("callbacks", {}).get("ModelCheckpoint", {})
-        if not best.get("best_model_path"):
-            raise FileNotFoundError(f"ckpt_path='best': {last} records no best checkpoint")
-        return best["best_model_path"]
-
-    def _adopt_log_dir(self, log_dir: str | None) -> None:
-        """Resumes logging into the checkpoint's run directory (one run in TensorBoard)."""
-        logger = self.logger
-        if not (log_dir and isinstance(logger, TensorBoardLogger)) or logger._version is not None:
-            return
-        parent, leaf = os.path.split(os.path.abspath(log_dir))
-        root = os.path.abspath(os.path.join(logger.save_dir, logger.name))
-        match = re.fullmatch(r"version_(\d+)", leaf)
-        if parent == root and match:
-            logger._version = int(match.group(1))
-
-    # ------------------------------------------------------------ evaluation
-    def _eval_variables(self, module: JaxModule, first: DeviceBatch, ckpt_path: Any) -> Any:
-        if ckpt_path is not None:
-            path = self._resolve_ckpt_path(ckpt_path)
-            expected = self._init_state(module, None, first)
-            module.variables = restore_variables(path, expected)
-            return self.strategy.replicate(module.variables)
-        if self._state is not None and self._fit_module is module:
-            return self._state.variables
-        if module.variables is None:
-            warnings.warn(
-                f"{type(module).__name__} has no trained variables (fit was not run and no "
-                "ckpt_path given): evaluating the freshly initialised model",
-                stacklevel=4,
-            )
-        return self.strategy.replicate(self._init_state(module, None, first))
-
-    def _evaluate(
-        self, stage: str, module: JaxModule, dataloaders: Any, ckpt_path: Any = None
-    ) -> list[dict[str, float]]:
-        loaders = list(dataloaders) if isinstance(dataloaders, (list, tuple)) else [dataloaders]
-        prefix = _STAGE_PREFIX[stage]
-        results = []
-        for i, loader in enumerate(loaders):
-            suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""
-            metrics = self._evaluate_loader(stage, module, loader, ckpt_path if i == 0 else None)
-            results.append({k + suffix: v for k, v in _host_values(metrics, prefix).items()})
-        return results
-
-    def _evaluate_loader(
-        self, stage: str, module: JaxModule, loader: Any, ckpt_path: Any = None
-    ) -> Metrics:
-        first, batches = self._eval_batches(loader, f"the {stage} dataloader")
-        variables = self._eval_variables(module, first, ckpt_path)
-        rows = first.host.mask.shape[0] // self.strategy.num_local_devices
-        example = _shard_shapes(first.host.data, rows)
-        key = ("eval", module, jax.tree.structure(example), tuple(jax.tree.leaves(example)))
-        if key not in self._eval_fns:
-            compiled = self.strategy.compile(
-                build_eval_step(module), sharded_args=(False, False, True, True), sharded_out=False
-            )
-            local = jax.eval_shape(self.strategy.unreplicate, variables)
-            zeros = zero_eval_metrics(module, local, example)
-            self._eval_fns[key] = (compiled, self.strategy.replicate(zeros))
-        eval_step, acc = self._eval_fns[key]
-        self.num_eval_batches = self._num_batches_plain(loader)
-        self._call(f"on_{stage}_start", module)
-        for batch_idx, batch in enumerate(batches):
-            acc = eval_step(variables, acc, batch.data, batch.mask)
-            self._throttle(acc)
-            self._call(f"on_{stage}_batch_end", module, batch_idx)
-        self._drain()
-        self._call(f"on_{stage}_end", module)
-        return self._fetch(acc)
-
-    def _eval_batches(self, loader: Any, name: str) -> tuple[DeviceBatch, Iterator[DeviceBatch]]:
-        """An evaluation loader's batches: in a multi-process run, this process's share."""
-        if jax.process_count() == 1:
-            return self._batches(loader, name)  # type: ignore[return-value]
-        ordered = epoch_loader(
-            loader,
-            epoch=0,
-            seed=self.seed,
-            own=self.use_distributed_sampler,
-            rank=jax.process_index(),
-            replicas=jax.process_count(),
-        )
-        total = self._common_total(loader, ordered)
-        return self._batches(ordered, name, total=total)  # type: ignore[return-value]
-
-    @staticmethod
-    def _num_batches_plain(loader: Any) -> int | None:
-        try:
-            return len(loader)
-        except TypeError:
-            return None
-
-    def validate(
-        self, module: JaxModule, dataloaders: Any, *, ckpt_path: Any = None
-    ) -> list[dict[str, float]]:
-        """Evaluates ``module`` with its ``eval_step``; returns ``[{"val/...": v}]``.
-
-        Uses the module's trained variables, or those of ``ckpt_path``
-        (``"last"``, ``"best"`` or a checkpoint folder), which it then keeps.
-        """
-        return self._run_eval_stage("validation", module, dataloaders, ckpt_path)
-
-    def test(
-        self, module: JaxModule, dataloaders: Any, *, ckpt_path: Any = None
-    ) -> list[dict[str, float]]:
-        """Like `validate`, with ``test/`` names."""
-        return self._run_eval_stage("test", module, dataloaders, ckpt_path)
-
-    def _run_eval_stage(
-        self, stage: str, module: JaxModule, dataloaders: Any, ckpt_path: Any
-    ) -> list[dict[str, float]]:
-        self._check_module(module, "eval_step")
-        _ = self.log_dir  # fixes the run directory on every process at once
-        results = self._evaluate(stage, module, dataloaders, ckpt_path)
-        values = {k: v for r in results for k, v in r.items()}
-        self._log(values)
-        if self.logger is not None:
-            self.logger.finalize()
-        return results
-
-    def predict(self, module: JaxModule, dataloaders: Any, *, ckpt_path: Any = None) -> Any:
-        """Runs ``predict_step`` over ``dataloaders`` (with ``ckpt_path``'s variables).
-
-        Returns:
-            The outputs concatenated over batches, padding removed: one row per
-            dataset example, in order (numpy arrays, same pytree structure as
-            ``predict_step``'s output). A list of those for a list of loaders.
-        """
-        self._check_module(module, "predict_step")
-        if isinstance(dataloaders, (list, tuple)):
-            return [
-                self._predict_loader(module, d, ckpt_path if i == 0 else None)
-                for i, d in enumerate(dataloaders)
-            ]
-        return self._predict_loader(module, dataloaders, ckpt_path)
-
-    def _predict_loader(self, module: JaxModule, loader: Any, ckpt_path: Any) -> Any:
-        first, batches = self._eval_batches(loader, "the predict dataloader")
-        variables = self._eval_variables(module, first, ckpt_path)
-        key = ("predict", module)
-        if key not in self._eval_fns:
-            self._eval_fns[key] = self.strategy.compile(
-                build_predict_step(module), sharded_args=(False, True), sharded_out=True
-            )
-        predict_step = self._eval_fns[key]
-        self.num_eval_batches = self._num_batches_plain(loader)
-        self._call("on_predict_start", module)
-        outputs = []
-        for batch_idx, batch in enumerate(batches):
-            out = predict_step(variables, batch.data)
-            self._throttle(out)
-            outputs.append((out, batch.host.real))
-            self._call("on_predict_batch_end", module, batch_idx)
-        self._drain()
-        self._call("on_predict_end", module)
-        if jax.process_count() > 1:
-            return self._assemble_predictions(loader, [o for o, _ in outputs])
-        rows = [jax.tree.map(lambda x, n=n: x[:n], self.strategy.gather(o)) for o, n in outputs]
-        return jax.tree.map(lambda *xs: np.concatenate(xs), *rows)
-
-    def _assemble_predictions(self, loader: Any, outputs: list[Any]) -> Any:
-        """Every process's rows, back in dataset order (multi-process runs)."""
-        if not self.use_distributed_sampler:
-            raise ValueError(
-                "predict in a multi-process run needs use_distributed_sampler=True, so the "
-                "Trainer knows which process holds which example"
-            )
-        processes, b = jax.process_count(), loader.batch_size
-        sampler = EpochSampler(
-            len(loader.dataset),
-            shuffle=isinstance(loader.sampler, RandomSampler),
-            seed=self.seed,
-            replicas=processes,
-        )
-        shares = [sampler.share(p) for p in range(processes)]
-        gathered = [self.strategy.gather(o) for o in outputs]
-        padded = jax.tree.leaves(gathered[0])[0].shape[0] // processes
-
-        def place(*steps: np.ndarray) -> np.ndarray:
-            out = np.empty((len(loader.dataset), *steps[0].shape[1:]), steps[0].dtype)
-            for k, rows in enumerate(steps):
-                for p, share in enumerate(shares):
-                    idx = share[k * b : (k + 1) * b]
-                    out[idx] = rows[p * padded : p * padded + len(idx)]
-            return out
-
-        return jax.tree.map(place, *gathered)

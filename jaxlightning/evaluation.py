@@ -1,0 +1,213 @@
+"""Validation, test and prediction: the Trainer's evaluation loops."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from torch.utils.data import RandomSampler
+
+from jaxlightning.checkpoint import restore_variables
+from jaxlightning.data import DeviceBatch
+from jaxlightning.module import JaxModule
+from jaxlightning.sampling import EpochSampler, epoch_loader
+from jaxlightning.step import Metrics, build_eval_step, build_predict_step, zero_eval_metrics
+
+_STAGE_PREFIX = {"validation": "val", "test": "test"}
+
+
+def host_values(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:
+    """Host metric values from fetched clu averages; empty averages are left out."""
+    return {
+        f"{prefix}/{name}": float(m.total / m.count)
+        for name, m in metrics.items()
+        if int(m.count) > 0
+    }
+
+
+def shard_shapes(tree: Any, rows: int) -> Any:
+    """Abstract shapes of one device's shard of a host batch."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), tree)
+
+
+class EvaluationMixin:
+    """`validate`, `test` and `predict` of `jaxlightning.Trainer`.
+
+    Part of the Trainer (it uses the Trainer's strategy, callbacks and state),
+    kept in its own file so that the training loop reads on its own.
+    """
+
+    def _eval_variables(self, module: JaxModule, first: DeviceBatch, ckpt_path: Any) -> Any:
+        if ckpt_path is not None:
+            path = self._resolve_ckpt_path(ckpt_path)
+            expected = self._init_state(module, None, first)
+            module.variables = restore_variables(path, expected)
+            return self.strategy.replicate(module.variables)
+        if self._state is not None and self._fit_module is module:
+            return self._state.variables
+        if module.variables is None:
+            warnings.warn(
+                f"{type(module).__name__} has no trained variables (fit was not run and no "
+                "ckpt_path given): evaluating the freshly initialised model",
+                stacklevel=4,
+            )
+        return self.strategy.replicate(self._init_state(module, None, first))
+
+    def _evaluate(
+        self, stage: str, module: JaxModule, dataloaders: Any, ckpt_path: Any = None
+    ) -> list[dict[str, float]]:
+        loaders = list(dataloaders) if isinstance(dataloaders, (list, tuple)) else [dataloaders]
+        prefix = _STAGE_PREFIX[stage]
+        results = []
+        for i, loader in enumerate(loaders):
+            suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""
+            metrics = self._evaluate_loader(stage, module, loader, ckpt_path if i == 0 else None)
+            results.append({k + suffix: v for k, v in host_values(metrics, prefix).items()})
+        return results
+
+    def _evaluate_loader(
+        self, stage: str, module: JaxModule, loader: Any, ckpt_path: Any = None
+    ) -> Metrics:
+        first, batches = self._eval_batches(loader, f"the {stage} dataloader")
+        variables = self._eval_variables(module, first, ckpt_path)
+        rows = first.host.mask.shape[0] // self.strategy.num_local_devices
+        example = shard_shapes(first.host.data, rows)
+        key = ("eval", module, jax.tree.structure(example), tuple(jax.tree.leaves(example)))
+        if key not in self._eval_fns:
+            compiled = self.strategy.compile(
+                build_eval_step(module), sharded_args=(False, False, True, True), sharded_out=False
+            )
+            local = jax.eval_shape(self.strategy.unreplicate, variables)
+            zeros = zero_eval_metrics(module, local, example)
+            self._eval_fns[key] = (compiled, self.strategy.replicate(zeros))
+        eval_step, acc = self._eval_fns[key]
+        self.num_eval_batches = self._num_batches_plain(loader)
+        self._call(f"on_{stage}_start", module)
+        for batch_idx, batch in enumerate(batches):
+            acc = eval_step(variables, acc, batch.data, batch.mask)
+            self._throttle(acc)
+            self._call(f"on_{stage}_batch_end", module, batch_idx)
+        self._drain()
+        self._call(f"on_{stage}_end", module)
+        return self._fetch(acc)
+
+    def _eval_batches(self, loader: Any, name: str) -> tuple[DeviceBatch, Iterator[DeviceBatch]]:
+        """An evaluation loader's batches: in a multi-process run, this process's share."""
+        if jax.process_count() == 1:
+            return self._batches(loader, name)  # type: ignore[return-value]
+        ordered = epoch_loader(
+            loader,
+            epoch=0,
+            seed=self.seed,
+            own=self.use_distributed_sampler,
+            rank=jax.process_index(),
+            replicas=jax.process_count(),
+        )
+        total = self._common_total(loader, ordered)
+        return self._batches(ordered, name, total=total)  # type: ignore[return-value]
+
+    @staticmethod
+    def _num_batches_plain(loader: Any) -> int | None:
+        try:
+            return len(loader)
+        except TypeError:
+            return None
+
+    def validate(
+        self, module: JaxModule, dataloaders: Any, *, ckpt_path: Any = None
+    ) -> list[dict[str, float]]:
+        """Evaluates ``module`` with its ``eval_step``; returns ``[{"val/...": v}]``.
+
+        Uses the module's trained variables, or those of ``ckpt_path``
+        (``"last"``, ``"best"`` or a checkpoint folder), which it then keeps.
+        """
+        return self._run_eval_stage("validation", module, dataloaders, ckpt_path)
+
+    def test(
+        self, module: JaxModule, dataloaders: Any, *, ckpt_path: Any = None
+    ) -> list[dict[str, float]]:
+        """Like `validate`, with ``test/`` names."""
+        return self._run_eval_stage("test", module, dataloaders, ckpt_path)
+
+    def _run_eval_stage(
+        self, stage: str, module: JaxModule, dataloaders: Any, ckpt_path: Any
+    ) -> list[dict[str, float]]:
+        self._check_module(module, "eval_step")
+        _ = self.log_dir  # fixes the run directory on every process at once
+        results = self._evaluate(stage, module, dataloaders, ckpt_path)
+        values = {k: v for r in results for k, v in r.items()}
+        self._log(values)
+        if self.logger is not None:
+            self.logger.finalize()
+        return results
+
+    def predict(self, module: JaxModule, dataloaders: Any, *, ckpt_path: Any = None) -> Any:
+        """Runs ``predict_step`` over ``dataloaders`` (with ``ckpt_path``'s variables).
+
+        Returns:
+            The outputs concatenated over batches, padding removed: one row per
+            dataset example, in order (numpy arrays, same pytree structure as
+            ``predict_step``'s output). A list of those for a list of loaders.
+        """
+        self._check_module(module, "predict_step")
+        if isinstance(dataloaders, (list, tuple)):
+            return [
+                self._predict_loader(module, d, ckpt_path if i == 0 else None)
+                for i, d in enumerate(dataloaders)
+            ]
+        return self._predict_loader(module, dataloaders, ckpt_path)
+
+    def _predict_loader(self, module: JaxModule, loader: Any, ckpt_path: Any) -> Any:
+        first, batches = self._eval_batches(loader, "the predict dataloader")
+        variables = self._eval_variables(module, first, ckpt_path)
+        key = ("predict", module)
+        if key not in self._eval_fns:
+            self._eval_fns[key] = self.strategy.compile(
+                build_predict_step(module), sharded_args=(False, True), sharded_out=True
+            )
+        predict_step = self._eval_fns[key]
+        self.num_eval_batches = self._num_batches_plain(loader)
+        self._call("on_predict_start", module)
+        outputs = []
+        for batch_idx, batch in enumerate(batches):
+            out = predict_step(variables, batch.data)
+            self._throttle(out)
+            outputs.append((out, batch.host.real))
+            self._call("on_predict_batch_end", module, batch_idx)
+        self._drain()
+        self._call("on_predict_end", module)
+        if jax.process_count() > 1:
+            return self._assemble_predictions(loader, [o for o, _ in outputs])
+        rows = [jax.tree.map(lambda x, n=n: x[:n], self.strategy.gather(o)) for o, n in outputs]
+        return jax.tree.map(lambda *xs: np.concatenate(xs), *rows)
+
+    def _assemble_predictions(self, loader: Any, outputs: list[Any]) -> Any:
+        """Every process's rows, back in dataset order (multi-process runs)."""
+        if not self.use_distributed_sampler:
+            raise ValueError(
+                "predict in a multi-process run needs use_distributed_sampler=True, so the "
+                "Trainer knows which process holds which example"
+            )
+        processes, b = jax.process_count(), loader.batch_size
+        sampler = EpochSampler(
+            len(loader.dataset),
+            shuffle=isinstance(loader.sampler, RandomSampler),
+            seed=self.seed,
+            replicas=processes,
+        )
+        shares = [sampler.share(p) for p in range(processes)]
+        gathered = [self.strategy.gather(o) for o in outputs]
+        padded = jax.tree.leaves(gathered[0])[0].shape[0] // processes
+
+        def place(*steps: np.ndarray) -> np.ndarray:
+            out = np.empty((len(loader.dataset), *steps[0].shape[1:]), steps[0].dtype)
+            for k, rows in enumerate(steps):
+                for p, share in enumerate(shares):
+                    idx = share[k * b : (k + 1) * b]
+                    out[idx] = rows[p * padded : p * padded + len(idx)]
+            return out
+
+        return jax.tree.map(place, *gathered)
