@@ -130,15 +130,21 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
+def _has_shape(x: Any) -> bool:
+    return hasattr(x, "shape")
+
+
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    """Leaf shapes by slash-joined key path (arrays, shape structs or orbax metadata)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_has_shape)[0]
     return {
         "/".join(str(getattr(k, "key", k)) for k in path): tuple(np.shape(leaf))
         for path, leaf in flat
     }
 
 
-def _saved_shapes(path: str) -> dict[str, tuple[int, ...]]:
+def _saved_tree(path: str) -> Any:
+    """The metadata tree (shapes, dtypes) of a checkpoint's arrays."""
     try:
         metadata = _checkpointer().metadata(path).item_metadata["state"]
     except Exception as exc:
@@ -146,8 +152,7 @@ def _saved_shapes(path: str) -> dict[str, tuple[int, ...]]:
     tree = getattr(metadata, "tree", None)
     if tree is None:
         raise CheckpointError(f"could not read checkpoint {path}: its 'state' has no metadata")
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
-    return {"/".join(str(getattr(k, "key", k)) for k in p): tuple(leaf.shape) for p, leaf in flat}
+    return tree
 
 
 def _first_mismatch(saved: dict, expected: dict) -> str | None:
@@ -198,17 +203,16 @@ def restore(path: str | os.PathLike[str], target: Any | None = None) -> Any:
             model: names the first differing parameter path and both shapes.
     """
     path = _checked(path)
-    saved = _saved_shapes(path)
+    saved = _saved_tree(path)
     if target is not None:
-        problem = _first_mismatch(saved, _shapes(flax.serialization.to_state_dict(target)))
+        expected = _shapes(flax.serialization.to_state_dict(target))
+        problem = _first_mismatch(_shapes(saved), expected)
         if problem:
             raise CheckpointError(f"checkpoint {path} does not fit this model: {problem}")
+    restore_args = jax.tree.map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved, is_leaf=_has_shape
+    )
     try:
-        restore_args = jax.tree.map(
-            lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
-            _checkpointer().metadata(path).item_metadata["state"].tree,
-            is_leaf=lambda x: hasattr(x, "shape"),
-        )
         state = (
             _checkpointer()
             .restore(

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
+import torch
 
 
 class BatchError(ValueError):
@@ -27,11 +28,7 @@ class BatchError(ValueError):
 
 
 def _leaf_to_numpy(x: Any) -> Any:
-    try:
-        import torch
-    except ImportError:  # torch is only needed for torch tensors
-        torch = None
-    if torch is not None and isinstance(x, torch.Tensor):
+    if isinstance(x, torch.Tensor):
         x = x.detach().cpu()
         if x.dtype == torch.bfloat16:  # numpy has no bfloat16; reinterpret the bits
             return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
@@ -58,12 +55,12 @@ def to_numpy(batch: Any) -> Any:
             arrays without a batch dimension, and for entries whose leading
             dimensions disagree.
     """
-    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    converted = jax.tree.map(_leaf_to_numpy, batch)
+    leaves = jax.tree_util.tree_flatten_with_path(converted)[0]
     if not leaves:
         raise BatchError("the batch holds no arrays; a DataLoader batch must hold arrays")
-    converted = jax.tree.map(_leaf_to_numpy, batch)
     first_path, first = None, None
-    for path, leaf in jax.tree_util.tree_flatten_with_path(converted)[0]:
+    for path, leaf in leaves:
         if isinstance(leaf, (str, bytes)) or _not_numeric(leaf.dtype):
             kind = type(leaf).__name__ if isinstance(leaf, (str, bytes)) else leaf.dtype
             raise BatchError(

@@ -43,8 +43,10 @@ class EvaluationMixin:
     def _eval_variables(self, module: JaxModule, first: DeviceBatch, ckpt_path: Any) -> Any:
         if ckpt_path is not None:
             path = self._resolve_ckpt_path(ckpt_path)
-            expected = self._init_state(module, None, first)
+            expected = self._init_state(module, None, first, abstract=True)
             module.variables = restore_variables(path, expected)
+            if self._fit_module is module:  # its variables no longer are the fit's state
+                self._fit_module = None
             return self.strategy.replicate(module.variables)
         if self._state is not None and self._fit_module is module:
             return self._state.variables

@@ -59,13 +59,10 @@ class CheckpointingMixin:
         self._check_finite(acc)
         tree = {"state": jax.device_get(self.strategy.unreplicate(self._state)), "acc": acc}
         epoch, batch = self._progress
+        states = {key: getattr(cb, "state_dict", dict)() for key, cb in self._callback_keys()}
         meta = {
             "progress": {"epoch": epoch, "batch": batch, "global_step": self.global_step},
-            "callbacks": {
-                key: cb.state_dict()
-                for key, cb in self._callback_keys()
-                if hasattr(cb, "state_dict") and cb.state_dict()
-            },
+            "callbacks": {key: state for key, state in states.items() if state},
             "hparams": json_safe(module.hparams),
             "module": f"{type(module).__module__}.{type(module).__qualname__}",
             "seed": self.seed,

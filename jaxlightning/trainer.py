@@ -267,13 +267,19 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         return jax.tree.map(lambda x: x[:rows], first.host.data)
 
     def _init_state(
-        self, module: JaxModule, tx: optax.GradientTransformation | None, first: DeviceBatch
+        self,
+        module: JaxModule,
+        tx: optax.GradientTransformation | None,
+        first: DeviceBatch,
+        *,
+        abstract: bool = False,
     ) -> Any:
         """The initial train state (or, without ``tx``, just the variables).
 
         One compiled function: building the state op by op would compile each
         initialiser separately, which dominates the start-up of small models.
         The module's own ``variables`` (from an earlier fit) take precedence.
+        With ``abstract``, only the shapes, without compiling or running.
         """
 
         def jl_init(seed, variables, example):
@@ -287,7 +293,8 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         # Runs once: compiling it quickly matters more than running it quickly
         # (measured: 3x faster to compile, same values).
         init = jax.jit(jl_init, compiler_options=_FAST_COMPILE)
-        return init(self.seed, module.variables, self._example(first))
+        args = (self.seed, module.variables, self._example(first))
+        return jax.eval_shape(init, *args) if abstract else init(*args)
 
     @staticmethod
     def _check_module(module: JaxModule, *hooks: str) -> None:

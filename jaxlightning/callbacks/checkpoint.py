@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxlightning import distributed
 from jaxlightning.callbacks.base import Callback
-from jaxlightning.checkpoint import CheckpointWriter, complete_checkpoints
+from jaxlightning.checkpoint import CheckpointWriter
 
 if TYPE_CHECKING:
     from jaxlightning.module import JaxModule
@@ -101,12 +101,12 @@ class ModelCheckpoint(Callback):
 
     # ----------------------------------------------------------------- hooks
     def on_fit_start(self, trainer: Trainer, module: JaxModule) -> None:
-        self._writer = CheckpointWriter(self.resolve_dirpath(trainer), async_save=self.async_save)
+        writer = self._open(trainer)
         self._last_save_time = time.monotonic()
         if self._pending_state is not None:
             self._adopt(self._pending_state)
             self._pending_state = None
-        if self._writer.steps() and not self._records:
+        if writer.steps() and not self._records:
             warnings.warn(
                 f"checkpoint folder {self.dirpath} already holds checkpoints of another run; "
                 "those at steps this run saves will be replaced",
@@ -137,6 +137,13 @@ class ModelCheckpoint(Callback):
         self.finish(prune=True)  # after waiting, every kept checkpoint is complete
 
     # ------------------------------------------------------------- saving
+    def _open(self, trainer: Trainer) -> CheckpointWriter:
+        if self._writer is None:
+            self._writer = CheckpointWriter(
+                self.resolve_dirpath(trainer), async_save=self.async_save
+            )
+        return self._writer
+
     def _latest_step(self) -> int | None:
         return self._records[-1]["step"] if self._records else None
 
@@ -159,10 +166,7 @@ class ModelCheckpoint(Callback):
         step = trainer.global_step
         if self._latest_step() == step:
             return self._path(step)
-        if self._writer is None:
-            self._writer = CheckpointWriter(
-                self.resolve_dirpath(trainer), async_save=self.async_save
-            )
+        writer = self._open(trainer)
         previous = self._latest_step()
         self._records.append({"step": step, "score": self._score(trainer)})
         self._known.add(step)
@@ -173,10 +177,10 @@ class ModelCheckpoint(Callback):
             self._records.pop()
             self._update_best()
             raise
-        if step in self._writer.steps():  # left by another run, or a run resumed earlier
-            self._writer.wait()
-            self._writer.delete(step)
-        path = self._writer.save(step, tree, meta)
+        if step in writer.steps():  # left by another run, or a run resumed earlier
+            writer.wait()
+            writer.delete(step)
+        path = writer.save(step, tree, meta)
         self.last_model_path = path
         self._last_save_time = time.monotonic()
         # The writer finished the previous save before starting this one; keep it
@@ -246,8 +250,3 @@ class ModelCheckpoint(Callback):
         self.best_model_path = state.get("best_model_path", "")
         self.best_model_score = state.get("best_model_score")
         self.last_model_path = state.get("last_model_path", "")
-
-    def latest_checkpoint(self) -> str | None:
-        """The newest complete checkpoint in `dirpath`, if any."""
-        paths = complete_checkpoints(self.dirpath) if self.dirpath else []
-        return paths[-1] if paths else None
