@@ -32,7 +32,12 @@ class NonFiniteLossError(FloatingPointError):
 
 
 _PAD_BATCH = object()
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# For programs that run once (the initial state): XLA's optimisation level 1
+# and, on CPU, its older fusion emitters compile the random initialisers of an
+# MNIST-sized MLP in 0.3 s instead of 1.1 s, with bitwise the values of the
+# default compile (level 0 is faster still, but rounds differently: 1 ulp).
+_RUN_ONCE_OPTIONS = {"xla_backend_optimization_level": 1}
+_RUN_ONCE_CPU_OPTIONS = {**_RUN_ONCE_OPTIONS, "xla_cpu_use_fusion_emitters": False}
 
 
 def _exactly(loader: Iterable[Any], total: int) -> Iterator[Any]:
@@ -290,9 +295,10 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
                 return variables
             return create_train_state(variables, tx, train_rng)
 
-        # Runs once: compiling it quickly matters more than running it quickly
-        # (measured: 3x faster to compile, same values).
-        init = jax.jit(jl_init, compiler_options=_FAST_COMPILE)
+        # Runs once: compiling it quickly matters more than running it quickly.
+        on_cpu = self.strategy.devices[0].platform == "cpu"
+        options = _RUN_ONCE_CPU_OPTIONS if on_cpu else _RUN_ONCE_OPTIONS
+        init = jax.jit(jl_init, compiler_options=options)
         args = (self.seed, module.variables, self._example(first))
         return jax.eval_shape(init, *args) if abstract else init(*args)
 

@@ -145,3 +145,20 @@ def test_300_steps_on_8_devices_finish_without_collectives_deadlock():
     trainer.fit(LitMLP(hidden=16), loader(x, y, 64))
     assert trainer.global_step == 300
     assert np.isfinite(trainer.callback_metrics["train/loss"])
+
+
+def test_initial_state_is_bitwise_a_plain_jit_of_setup():
+    # The Trainer compiles its run-once init program with options chosen for
+    # compile speed; the values must still be exactly those of the default compile.
+    x, y = digits(64)
+    module = LitMLP(hidden=256)
+    trainer = quiet_trainer(max_steps=0, seed=3)
+    trainer.fit(module, loader(x, y, 64))
+    init_rng = jax.random.split(jax.random.PRNGKey(3))[0]
+    rows = 64 // jax.local_device_count()
+    expected = jax.jit(module.setup)(init_rng, (x[:rows], y[:rows]))
+    got = module.variables
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert trainer.global_step == 0
