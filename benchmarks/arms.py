@@ -21,11 +21,15 @@ def _median(xs: list[float]) -> float:
 
 
 def vs_bare_jit(size: dict[str, int], rounds: int) -> dict[str, Any]:
-    """Arm 1: Trainer.fit vs a bare jax.jit loop, digits-sized MLP, 1 device."""
+    """Arm 1: Trainer.fit vs a bare jax.jit loop, digits-sized MLP, 1 device.
+
+    Over a `TensorDataset` (which the Trainer fetches a batch at a time) and over a
+    per-example Dataset (which it cannot: the Trainer's own overhead).
+    """
     out: dict[str, Any] = {}
-    for batch in (128, 1024):
+    for batch, per_example in ((128, False), (1024, False), (128, True), (1024, True)):
         x, y = common.data(size["steps"] * batch, 64)
-        dl = common.loader(x, y, batch)
+        dl = common.loader(x, y, batch, per_example=per_example)
         res = common.interleave(
             rounds,
             {
@@ -35,7 +39,7 @@ def vs_bare_jit(size: dict[str, int], rounds: int) -> dict[str, Any]:
         )
         bare = [common.steady(t) for t, _ in res["bare"]]
         ours = [common.steady(t) for t, _ in res["trainer"]]
-        out[f"batch_{batch}"] = {
+        out[f"batch_{batch}{'_per_example' if per_example else ''}"] = {
             "ratio": _median([b / o for b, o in zip(bare, ours, strict=True)]),
             "overhead_us_per_step": _median(
                 [(o - b) / size["steps"] * 1e6 for b, o in zip(bare, ours, strict=True)]

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import torch
 from flax.training import train_state
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import jaxlightning as jl
 
@@ -56,8 +56,29 @@ def data(n: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return rng.normal(size=(n, features)).astype(np.float32), rng.integers(0, 10, n)
 
 
-def loader(x: np.ndarray, y: np.ndarray, batch_size: int, collate: Any = None) -> DataLoader:
-    ds = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+class RowDataset(Dataset):
+    """The same tensors behind a per-example ``__getitem__``, as most custom Datasets are.
+
+    The Trainer fetches a `TensorDataset` a batch at a time; this one it cannot,
+    so it measures the Trainer's own overhead on the loop's data path.
+    """
+
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.tensors = (torch.from_numpy(x), torch.from_numpy(y))
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tensors[0][i], self.tensors[1][i]
+
+
+def loader(
+    x: np.ndarray, y: np.ndarray, batch_size: int, collate: Any = None, per_example: bool = False
+) -> DataLoader:
+    ds = (
+        RowDataset(x, y) if per_example else TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+    )
     kwargs = {"collate_fn": collate} if collate is not None else {}
     return DataLoader(ds, batch_size=batch_size, **kwargs)
 

@@ -33,6 +33,8 @@ GROUPS: dict[str, tuple[int, list[str]]] = {
 TARGETS: list[tuple[str, float, bool]] = [
     ("single.vs_bare_jit.batch_128.ratio", 0.90, True),
     ("single.vs_bare_jit.batch_1024.ratio", 0.97, True),
+    ("single.vs_bare_jit.batch_128_per_example.ratio", 0.90, True),
+    ("single.vs_bare_jit.batch_1024_per_example.ratio", 0.97, True),
     ("single.vs_lightning.samples_per_s_ratio", 2.0, True),
     ("single.logging_cost.every_50_vs_off", 0.98, True),
     ("startup.startup.warm_over_cold_first_step", 0.5, False),

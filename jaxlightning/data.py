@@ -9,6 +9,7 @@ means padded rows never count in losses or metrics.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
@@ -55,7 +56,27 @@ def to_numpy(batch: Any) -> Any:
             arrays without a batch dimension, and for entries whose leading
             dimensions disagree.
     """
-    converted = jax.tree.map(_leaf_to_numpy, batch)
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    converted = [_leaf_to_numpy(x) for x in leaves]
+    if not converted or not _well_formed(converted):
+        _raise_batch_error(jax.tree_util.tree_unflatten(treedef, converted))
+    return jax.tree_util.tree_unflatten(treedef, converted)
+
+
+def _well_formed(leaves: list[Any]) -> bool:
+    """The per-batch check, without building paths (the error path builds them)."""
+    rows = None
+    for leaf in leaves:
+        if not isinstance(leaf, np.ndarray) or _not_numeric(leaf.dtype) or leaf.ndim == 0:
+            return False
+        if rows is None:
+            rows = leaf.shape[0]
+        elif leaf.shape[0] != rows:
+            return False
+    return True
+
+
+def _raise_batch_error(converted: Any) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(converted)[0]
     if not leaves:
         raise BatchError("the batch holds no arrays; a DataLoader batch must hold arrays")
@@ -80,7 +101,7 @@ def to_numpy(batch: Any) -> Any:
                 f"{first.shape[0]}; every array in a batch must share its leading (batch) "
                 "dimension"
             )
-    return converted
+    raise AssertionError("unreachable: _well_formed rejected a well-formed batch")
 
 
 def batch_rows(batch: Any) -> int:
@@ -107,6 +128,7 @@ class Padder:
         self.multiple = multiple
         self.size = self._round(batch_size) if batch_size else None
         self._last: HostBatch | None = None
+        self._full: np.ndarray | None = None
 
     def empty(self) -> HostBatch:
         """A batch of padding only (the last batch's rows, all masked out)."""
@@ -116,6 +138,13 @@ class Padder:
                 "at least one example per process"
             )
         return HostBatch(self._last.data, np.zeros_like(self._last.mask), 0)
+
+    def _full_mask(self) -> np.ndarray:
+        """One read-only all-true mask per size, shared by the full batches."""
+        if self._full is None or self._full.shape[0] != self.size:
+            self._full = np.ones(self.size, bool)
+            self._full.setflags(write=False)
+        return self._full
 
     def _round(self, rows: int) -> int:
         return math.ceil(rows / self.multiple) * self.multiple
@@ -134,21 +163,43 @@ class Padder:
                 stacklevel=2,
             )
             self.size = self._round(rows)
+        if rows == self.size:
+            self._last = HostBatch(batch, self._full_mask(), rows)
+            return self._last
         mask = np.zeros(self.size, bool)
         mask[:rows] = True
-        if rows < self.size:
-            # Pad with copies of the last real row: finite, in-range values that any
-            # model can process, and the mask drops them from every average.
-            fill = np.full(self.size - rows, rows - 1)
-            idx = np.concatenate([np.arange(rows), fill])
-            batch = jax.tree.map(lambda x: np.take(x, idx, axis=0), batch)
+        # Pad with copies of the last real row: finite, in-range values that any
+        # model can process, and the mask drops them from every average.
+        idx = np.concatenate([np.arange(rows), np.full(self.size - rows, rows - 1)])
+        batch = jax.tree.map(lambda x: np.take(x, idx, axis=0), batch)
         self._last = HostBatch(batch, mask, rows)
         return self._last
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Runs the block with ``n`` torch intra-op threads (``None``: unchanged).
+
+    On the CPU backend XLA's step and torch's batch assembly (a gather or a
+    stack in the loading thread) share the cores; torch's threads then spin
+    against XLA's. One thread is what torch itself gives each DataLoader worker.
+    """
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def loader_batch_size(loader: Iterable[Any]) -> int | None:
     """The DataLoader's fixed ``batch_size``, if it has one."""
     size = getattr(loader, "batch_size", None)
+    if size is None:  # fetching whole batches from a batch sampler (sampling.whole_batches)
+        size = getattr(getattr(loader, "sampler", None), "batch_size", None)
     return size if isinstance(size, int) and size > 0 else None
 
 

@@ -13,7 +13,7 @@ from torch.utils.data import RandomSampler
 from jaxlightning.checkpoint import restore_variables
 from jaxlightning.data import DeviceBatch
 from jaxlightning.module import JaxModule
-from jaxlightning.sampling import EpochSampler, epoch_loader
+from jaxlightning.sampling import EpochSampler, epoch_loader, whole_batches
 from jaxlightning.step import Metrics, build_eval_step, build_predict_step, zero_eval_metrics
 
 _STAGE_PREFIX = {"validation": "val", "test": "test"}
@@ -99,7 +99,7 @@ class EvaluationMixin:
     def _eval_batches(self, loader: Any, name: str) -> tuple[DeviceBatch, Iterator[DeviceBatch]]:
         """An evaluation loader's batches: in a multi-process run, this process's share."""
         if jax.process_count() == 1:
-            return self._batches(loader, name)  # type: ignore[return-value]
+            return self._batches(whole_batches(loader), name)  # type: ignore[return-value]
         ordered = epoch_loader(
             loader,
             epoch=0,
@@ -139,7 +139,8 @@ class EvaluationMixin:
     ) -> list[dict[str, float]]:
         self._check_module(module, "eval_step")
         _ = self.log_dir  # fixes the run directory on every process at once
-        results = self._evaluate(stage, module, dataloaders, ckpt_path)
+        with self._host_threads():
+            results = self._evaluate(stage, module, dataloaders, ckpt_path)
         values = {k: v for r in results for k, v in r.items()}
         self._log(values)
         if self.logger is not None:
@@ -155,12 +156,13 @@ class EvaluationMixin:
             ``predict_step``'s output). A list of those for a list of loaders.
         """
         self._check_module(module, "predict_step")
-        if isinstance(dataloaders, (list, tuple)):
-            return [
-                self._predict_loader(module, d, ckpt_path if i == 0 else None)
-                for i, d in enumerate(dataloaders)
-            ]
-        return self._predict_loader(module, dataloaders, ckpt_path)
+        with self._host_threads():
+            if isinstance(dataloaders, (list, tuple)):
+                return [
+                    self._predict_loader(module, d, ckpt_path if i == 0 else None)
+                    for i, d in enumerate(dataloaders)
+                ]
+            return self._predict_loader(module, dataloaders, ckpt_path)
 
     def _predict_loader(self, module: JaxModule, loader: Any, ckpt_path: Any) -> Any:
         first, batches = self._eval_batches(loader, "the predict dataloader")

@@ -50,6 +50,12 @@ def device_keys(rng: jax.Array, step: jax.Array, streams: tuple[str, ...]) -> di
     return {name: jax.random.fold_in(key, i) for i, name in enumerate(streams)}
 
 
+def _psum(tree: Any) -> Any:
+    """Sum over the devices; a no-op on one (XLA keeps a 1-device all-reduce, which
+    costs a copy of every gradient and blocks fusing it into the update)."""
+    return tree if jax.lax.axis_size(AXIS) == 1 else jax.lax.psum(tree, AXIS)
+
+
 def _average(name: str, value: Any, mask: jax.Array) -> clu_metrics.Average:
     """A logged value as a masked average over the real examples of the shard."""
     value = jnp.asarray(value)
@@ -185,7 +191,7 @@ def build_train_step(
             return total, (metrics, updates)
 
         grads, (metrics, updates) = jax.grad(objective, has_aux=True)(state.params)
-        grads, metrics, summed_updates = jax.lax.psum((grads, metrics, updates), AXIS)
+        grads, metrics, summed_updates = _psum((grads, metrics, updates))
         n_real = metrics["loss"].count
         grads = jax.tree.map(lambda g: g / n_real, grads)
         updates = _pmean_floats(summed_updates, updates, jax.lax.axis_size(AXIS))
@@ -208,7 +214,7 @@ def build_eval_step(
                 f"{type(module).__name__}.eval_step logged nothing; call self.log(name, "
                 "value) in it for each metric to report"
             )
-        metrics = jax.lax.psum(_logged_metrics(logged, mask), AXIS)
+        metrics = _psum(_logged_metrics(logged, mask))
         return _merge(acc, metrics)
 
     return jl_eval_step

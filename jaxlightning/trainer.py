@@ -15,7 +15,7 @@ import optax
 from jaxlightning import compile_cache, distributed
 from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 from jaxlightning.checkpoint import read_meta, restore
-from jaxlightning.data import DeviceBatch, Padder, Prefetcher, loader_batch_size
+from jaxlightning.data import DeviceBatch, Padder, Prefetcher, loader_batch_size, torch_threads
 from jaxlightning.evaluation import EvaluationMixin, host_values, shard_shapes
 from jaxlightning.loggers import Logger, TensorBoardLogger
 from jaxlightning.module import JaxModule
@@ -209,6 +209,10 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
             if fn is not None:
                 fn(self, module, *args)
 
+    def _host_threads(self) -> Any:
+        """One torch thread for in-process loading while XLA computes on the CPU."""
+        return torch_threads(1 if self.strategy.on_cpu else None)
+
     def _throttle(self, token: Any) -> None:
         """Bounds the steps in flight by waiting on the oldest one's output."""
         self._in_flight.append(token)
@@ -334,6 +338,16 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
                 checkpoint folder. The run continues exactly where it stopped,
                 mid-epoch included.
         """
+        with self._host_threads():
+            self._fit(module, train_dataloaders, val_dataloaders, ckpt_path)
+
+    def _fit(
+        self,
+        module: JaxModule,
+        train_dataloaders: Iterable[Any],
+        val_dataloaders: Any,
+        ckpt_path: str | os.PathLike[str] | None,
+    ) -> None:
         self._check_module(module, "setup", "configure_optimizers", "loss")
         if val_dataloaders is not None:
             self._check_module(module, "eval_step")

@@ -121,3 +121,84 @@ def test_unowned_loader_is_skipped_by_loading_with_a_warning():
     with pytest.warns(UserWarning, match="loading and dropping 2 batches"):
         rest = list(epoch_loader(batches, epoch=0, seed=0, skip_batches=2))
     assert [int(b[0]) for b in rest] == [2, 3, 4]
+
+
+def _per_example_batches(ds, batch_sampler):
+    """The reference: one __getitem__ per example, then torch's default collate."""
+    from torch.utils.data import default_collate
+
+    return [default_collate([ds[i] for i in idx]) for idx in batch_sampler]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_tensor_dataset_batches_are_fetched_whole_and_equal_per_example_ones(
+    monkeypatch, drop_last
+):
+    from torch.utils.data import BatchSampler, TensorDataset
+
+    from jaxlightning.sampling import EpochSampler, epoch_loader
+
+    x = torch.randn(40, 3)
+    ds = TensorDataset(x, torch.arange(40), x.to(torch.bfloat16))
+    user = DataLoader(ds, batch_size=7, shuffle=True, drop_last=drop_last)
+    sampler = EpochSampler(40, shuffle=True, seed=5, epoch=2, start=7)  # resumed at batch 1
+    expected = _per_example_batches(ds, BatchSampler(sampler, 7, drop_last))
+
+    indexed_with = []
+    getitem = TensorDataset.__getitem__
+
+    def spy(self, index):
+        indexed_with.append(type(index))
+        return getitem(self, index)
+
+    monkeypatch.setattr(TensorDataset, "__getitem__", spy)
+    got = list(epoch_loader(user, epoch=2, seed=5, skip_batches=1))
+    assert indexed_with and set(indexed_with) == {list}  # one indexing per batch
+    assert len(got) == len(expected) == (4 if drop_last else 5)
+    for g, e in zip(got, expected, strict=True):
+        assert type(g) is type(e)
+        for a, b in zip(g, e, strict=True):
+            assert a.dtype == b.dtype
+            assert torch.equal(a, b)
+
+
+def test_whole_batches_keep_a_loaders_own_shuffled_order():
+    from torch.utils.data import TensorDataset
+
+    from jaxlightning.sampling import whole_batches
+
+    ds = TensorDataset(torch.arange(30))
+
+    def user():
+        gen = torch.Generator().manual_seed(9)
+        return DataLoader(ds, batch_size=4, shuffle=True, generator=gen)
+
+    plain, whole = user(), whole_batches(user())
+    assert whole is not plain
+    for _ in range(2):  # the second epoch draws a new order from the same generator
+        a, b = [t[0] for t in plain], [t[0] for t in whole]
+        assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    custom = DataLoader(ds, batch_size=4, collate_fn=lambda rows: rows)
+    assert whole_batches(custom) is custom  # a custom collate keeps per-example fetching
+
+
+def test_cpu_fit_loads_with_one_torch_thread_and_restores_the_setting():
+    import jaxlightning as jl
+    from tests.helpers import LitMLP, digits, loader, quiet_trainer
+
+    seen = []
+
+    class Threads(jl.Callback):
+        def on_train_batch_end(self, trainer, module, batch_idx):
+            seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        trainer = quiet_trainer(max_steps=2, callbacks=[Threads()])
+        trainer.fit(LitMLP(), loader(*digits(64), 32))
+        assert seen == [1, 1]
+        assert torch.get_num_threads() == 2
+        assert trainer.strategy.prefetch_depth == 0  # CPU: load in the loop
+    finally:
+        torch.set_num_threads(before)
