@@ -6,6 +6,7 @@ import itertools
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ import optax
 from jaxlightning import compile_cache, distributed
 from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 from jaxlightning.checkpoint import read_meta, restore
+from jaxlightning.compiling import in_background
 from jaxlightning.data import DeviceBatch, Padder, Prefetcher, loader_batch_size, torch_threads
 from jaxlightning.evaluation import EvaluationMixin, host_values, shard_shapes
 from jaxlightning.loggers import Logger, TensorBoardLogger
@@ -290,7 +292,21 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         The module's own ``variables`` (from an earlier fit) take precedence.
         With ``abstract``, only the shapes, without compiling or running.
         """
+        init, args = self._init_program(module, tx, first)
+        return jax.eval_shape(init, *args) if abstract else init(*args)
 
+    def _start_init_state(
+        self, module: JaxModule, tx: optax.GradientTransformation, first: DeviceBatch
+    ) -> tuple[Any, Future[Any]]:
+        """The initial train state's shapes now, and the state itself compiled
+        and computed on a worker thread while the caller traces the train step."""
+        init, args = self._init_program(module, tx, first)
+        lowered = init.trace(*args).lower()
+        return jax.eval_shape(init, *args), in_background(lambda: lowered.compile()(*args))
+
+    def _init_program(
+        self, module: JaxModule, tx: optax.GradientTransformation | None, first: DeviceBatch
+    ) -> tuple[Any, tuple[Any, ...]]:
         def jl_init(seed, variables, example):
             init_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
             if variables is None:
@@ -300,11 +316,9 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
             return create_train_state(variables, tx, train_rng)
 
         # Runs once: compiling it quickly matters more than running it quickly.
-        on_cpu = self.strategy.devices[0].platform == "cpu"
-        options = _RUN_ONCE_CPU_OPTIONS if on_cpu else _RUN_ONCE_OPTIONS
+        options = _RUN_ONCE_CPU_OPTIONS if self.strategy.on_cpu else _RUN_ONCE_OPTIONS
         init = jax.jit(jl_init, compiler_options=options)
-        args = (self.seed, module.variables, self._example(first))
-        return jax.eval_shape(init, *args) if abstract else init(*args)
+        return init, (self.seed, module.variables, self._example(first))
 
     @staticmethod
     def _check_module(module: JaxModule, *hooks: str) -> None:
@@ -373,21 +387,27 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
             example_batches.close()
         else:
             example_first = first
-        state = self._init_state(module, tx, example_first)
-        step_fn = build_train_step(module, tx)
+        # Start-up order: XLA compiles the initial state on a worker thread while
+        # this one traces the train step, which then compiles in turn while this
+        # one sets up the rest of the run.
+        shapes, pending_state = self._start_init_state(module, tx, example_first)
         rows = example_first.host.mask.shape[0] // self.strategy.num_local_devices
-        acc0 = zero_train_metrics(module, state, shard_shapes(example_first.host.data, rows))
+        acc0 = zero_train_metrics(module, shapes, shard_shapes(example_first.host.data, rows))
+        train_step = self.strategy.compile(
+            build_train_step(module, tx),
+            sharded_args=(False, False, True, True),
+            sharded_out=(False, False),
+            donate_argnums=(0,),
+        )
+        train_step = self.strategy.precompile(
+            train_step, shapes, acc0, example_first.data, example_first.mask
+        )
+        state = pending_state.result()
         acc = acc0
         if resume is not None:
             restored = restore(resume, {"state": state, "acc": acc0})
             state, acc = restored["state"], restored["acc"]
             self._load_callback_states(meta.get("callbacks", {}))
-        train_step = self.strategy.compile(
-            step_fn,
-            sharded_args=(False, False, True, True),
-            sharded_out=(False, False),
-            donate_argnums=(0,),
-        )
         self._state = self.strategy.replicate(state)
         acc0 = self.strategy.replicate(acc0)
         self._acc = self.strategy.replicate(acc)

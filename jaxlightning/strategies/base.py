@@ -112,5 +112,10 @@ class Strategy(abc.ABC):
             donate_argnums: arguments whose buffers the result may reuse.
         """
 
+    def precompile(self, compiled: Callable[..., Any], *example: Any) -> Callable[..., Any]:
+        """Starts compiling ``compiled`` (from `compile`) for ``example`` arguments
+        ahead of its first call, where the strategy can; returns what to call."""
+        return compiled
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(devices={self.num_devices})"

@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlightning.compiling import Precompiled
 from jaxlightning.strategies.base import Strategy
 
 
@@ -83,3 +84,10 @@ class ShardMapStrategy(Strategy):
         )
         shardings = tuple(self._sharded if s else self._replicated for s in sharded_args)
         return jax.jit(mapped, in_shardings=shardings, donate_argnums=donate_argnums)
+
+    def precompile(self, compiled: Callable[..., Any], *example: Any) -> Callable[..., Any]:
+        # One process only: in a multi-process run every process must compile
+        # the same program in step, which the plain first call already does.
+        if jax.process_count() > 1:
+            return compiled
+        return Precompiled(compiled, *example)
