@@ -184,21 +184,29 @@ def test_whole_batches_keep_a_loaders_own_shuffled_order():
 
 def test_cpu_fit_loads_with_one_torch_thread_and_restores_the_setting():
     import jaxlightning as jl
-    from tests.helpers import LitMLP, digits, loader, quiet_trainer
+    from tests.helpers import LitMLP, digits, quiet_trainer
 
-    seen = []
+    seen, loading = [], []
 
     class Threads(jl.Callback):
         def on_train_batch_end(self, trainer, module, batch_idx):
             seen.append(torch.get_num_threads())
 
+    def collate(rows):  # runs on the loading thread
+        from torch.utils.data import default_collate
+
+        loading.append(torch.get_num_threads())
+        return default_collate(rows)
+
+    x, y = digits(64)
+    data = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         trainer = quiet_trainer(max_steps=2, callbacks=[Threads()])
-        trainer.fit(LitMLP(), loader(*digits(64), 32))
+        trainer.fit(LitMLP(), DataLoader(data, batch_size=32, collate_fn=collate))
         assert seen == [1, 1]
+        assert loading and set(loading) == {1}
         assert torch.get_num_threads() == 2
-        assert trainer.strategy.prefetch_depth == 0  # CPU: load in the loop
     finally:
         torch.set_num_threads(before)
