@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 import signal
 from collections.abc import Mapping
 from typing import Any
@@ -139,11 +138,5 @@ class CheckpointingMixin:
 
     def _adopt_log_dir(self, log_dir: str | None) -> None:
         """Resumes logging into the checkpoint's run directory (one run in TensorBoard)."""
-        logger = self.logger
-        if not (log_dir and isinstance(logger, TensorBoardLogger)) or logger._version is not None:
-            return
-        parent, leaf = os.path.split(os.path.abspath(log_dir))
-        root = os.path.abspath(os.path.join(logger.save_dir, logger.name))
-        match = re.fullmatch(r"version_(\d+)", leaf)
-        if parent == root and match:
-            logger._version = int(match.group(1))
+        if log_dir and self.logger is not None:
+            self.logger.resume_in(log_dir)

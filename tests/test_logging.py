@@ -110,3 +110,17 @@ def test_progress_bar_shows_epochs_and_metrics(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Epoch 0" in err and "Epoch 1" in err and "Validation" in err
     assert "train/loss=" in err and "val/acc=" in err
+
+
+def test_tensorboard_logger_resumes_only_its_own_run_directories(tmp_path):
+    from jaxlightning import TensorBoardLogger
+
+    own = TensorBoardLogger(str(tmp_path))
+    own.resume_in(str(tmp_path / "lightning_logs" / "version_3"))
+    assert own.version == 3
+    foreign = TensorBoardLogger(str(tmp_path))
+    foreign.resume_in(str(tmp_path / "elsewhere" / "version_3"))  # not under save_dir/name
+    assert foreign.version == 0
+    fixed = TensorBoardLogger(str(tmp_path), version=7)
+    fixed.resume_in(str(tmp_path / "lightning_logs" / "version_3"))  # a chosen version wins
+    assert fixed.version == 7

@@ -46,6 +46,16 @@ class TensorBoardLogger(Logger):
         self._version = version
         self._writer: SummaryWriter | None = None
 
+    def resume_in(self, log_dir: str) -> None:
+        """Logs into ``log_dir`` when it is one of this logger's version folders and
+        no version is fixed yet, so a resumed run stays one run in TensorBoard."""
+        if self._version is not None:
+            return
+        parent, leaf = os.path.split(os.path.abspath(log_dir))
+        match = re.fullmatch(r"version_(\d+)", leaf)
+        if match and parent == os.path.abspath(os.path.join(self.save_dir, self.name)):
+            self._version = int(match.group(1))
+
     @property
     def version(self) -> int:
         if self._version is None:
