@@ -301,8 +301,9 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         """The initial train state's shapes now, and the state itself compiled
         and computed on a worker thread while the caller traces the train step."""
         init, args = self._init_program(module, tx, first)
-        lowered = init.trace(*args).lower()
-        return jax.eval_shape(init, *args), in_background(lambda: lowered.compile()(*args))
+        traced = init.trace(*args)
+        lowered = traced.lower()
+        return traced.out_info, in_background(lambda: lowered.compile()(*args))
 
     def _init_program(
         self, module: JaxModule, tx: optax.GradientTransformation | None, first: DeviceBatch

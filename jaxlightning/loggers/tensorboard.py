@@ -14,11 +14,13 @@ from tensorboardX.summary import hparams as hparams_summary
 from jaxlightning import distributed
 from jaxlightning.loggers.base import Logger
 
+_VERSION_DIR = re.compile(r"version_(\d+)")
+
 
 def _next_version(root: str) -> int:
     if not os.path.isdir(root):
         return 0
-    found = [re.fullmatch(r"version_(\d+)", d) for d in os.listdir(root)]
+    found = [_VERSION_DIR.fullmatch(d) for d in os.listdir(root)]
     return max((int(m.group(1)) + 1 for m in found if m), default=0)
 
 
@@ -52,7 +54,7 @@ class TensorBoardLogger(Logger):
         if self._version is not None:
             return
         parent, leaf = os.path.split(os.path.abspath(log_dir))
-        match = re.fullmatch(r"version_(\d+)", leaf)
+        match = _VERSION_DIR.fullmatch(leaf)
         if match and parent == os.path.abspath(os.path.join(self.save_dir, self.name)):
             self._version = int(match.group(1))
 
