@@ -9,10 +9,17 @@ first batches.
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
+
+_log = logging.getLogger(__name__)
+_REJECTED_OPTION = re.compile(r"No such compile option: '([^']+)'")
+# XLA options the backend rejected once in this process: not offered again.
+_rejected: set[str] = set()
 
 
 def in_background(fn: Callable[[], Any]) -> Future[Any]:
@@ -27,6 +34,39 @@ def in_background(fn: Callable[[], Any]) -> Future[Any]:
 
     threading.Thread(target=work, daemon=True, name="jl-compile").start()
     return future
+
+
+def join_quietly(future: Future[Any] | None) -> None:
+    """Waits for ``future`` to finish, ignoring its error.
+
+    A compile still running on a worker thread when the process exits aborts it
+    (XLA's C++ is torn down under the thread), so every path out of the code
+    that started one must wait for it; the error, if any, was or will be
+    reported by whoever uses the result.
+    """
+    if future is not None:
+        future.exception()
+
+
+def compile_with_options(lowered: Any, options: Mapping[str, Any]) -> Any:
+    """``lowered.compile`` with XLA ``options`` that the backend may not know.
+
+    Most XLA options are private to XLA and come and go between jaxlib
+    releases (``xla_cpu_use_fusion_emitters`` is gone in JAX 0.11). An option
+    the backend rejects is dropped, logged once at debug level, and never
+    offered again in this process; the program then compiles without it.
+    """
+    wanted = {k: v for k, v in options.items() if k not in _rejected}
+    while True:
+        try:
+            return lowered.compile(compiler_options=wanted or None)
+        except Exception as exc:
+            names = set(_REJECTED_OPTION.findall(str(exc))) & set(wanted)
+            if not names:
+                raise
+            _rejected.update(names)
+            _log.debug("XLA rejected compile option(s) %s; compiling without them", names)
+            wanted = {k: v for k, v in wanted.items() if k not in names}
 
 
 class Precompiled:
@@ -48,6 +88,10 @@ class Precompiled:
         lowered = jitted.trace(*example).lower()
         self._pending: Future[Any] | None = in_background(lowered.compile)
         self._compiled: Any = None
+
+    def join(self) -> None:
+        """Waits for the ahead-of-time compile, if it still runs (errors ignored)."""
+        join_quietly(self._pending)
 
     def __call__(self, *args: Any) -> Any:
         if self._pending is not None:

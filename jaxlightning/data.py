@@ -277,3 +277,37 @@ class Prefetcher:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class Batches:
+    """One pass of prepared batches from a `Prefetcher`, its first batch taken.
+
+    ``first`` is the first batch (``None`` when there is none), ready before
+    iteration starts: the run sets itself up from its shapes. Iterating yields
+    every batch, ``first`` included, once. `close` stops the prefetch thread
+    whether or not iteration started (a generator's ``finally`` would not run
+    if it never started), and may be called more than once.
+    """
+
+    def __init__(self, prefetcher: Prefetcher) -> None:
+        self._prefetcher = prefetcher
+        self._rest = iter(prefetcher)
+        try:
+            self.first: Any = next(self._rest, None)
+        except BaseException:
+            prefetcher.close()
+            raise
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.first is not None:
+            yield self.first
+            yield from self._rest
+
+    def close(self) -> None:
+        self._prefetcher.close()
+
+    def __enter__(self) -> Batches:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
-from torch.utils.data import RandomSampler
 
 from jaxlightning.checkpoint import restore_variables
-from jaxlightning.data import DeviceBatch
+from jaxlightning.data import Batches, DeviceBatch
 from jaxlightning.module import JaxModule
-from jaxlightning.sampling import EpochSampler, epoch_loader, whole_batches
+from jaxlightning.sampling import (
+    BatchSlice,
+    EpochSampler,
+    epoch_loader,
+    in_dataset_order,
+    whole_batches,
+)
 from jaxlightning.step import Metrics, build_eval_step, build_predict_step, zero_eval_metrics
 
 _STAGE_PREFIX = {"validation": "val", "test": "test"}
@@ -59,47 +64,81 @@ class EvaluationMixin:
         return self.strategy.replicate(self._init_state(module, None, first))
 
     def _evaluate(
-        self, stage: str, module: JaxModule, dataloaders: Any, ckpt_path: Any = None
+        self,
+        stage: str,
+        module: JaxModule,
+        dataloaders: Any,
+        ckpt_path: Any = None,
+        *,
+        limit: int | None = None,
+        report: bool = True,
     ) -> list[dict[str, float]]:
+        """Evaluates every loader; returns their ``val/...`` (or ``test/...``) values.
+
+        With ``report``, calls the stage's callback hooks and logs the values,
+        which are in ``callback_metrics`` before ``on_<stage>_end`` runs.
+        Without it (the sanity check), only runs the batches (at most ``limit``
+        per loader) and returns nothing.
+        """
         loaders = list(dataloaders) if isinstance(dataloaders, (list, tuple)) else [dataloaders]
+        counts = [self._num_batches_plain(loader) for loader in loaders]
+        self.num_eval_batches = None if None in counts else sum(counts)  # type: ignore[arg-type]
+        if report:
+            self._call(f"on_{stage}_start", module)
         prefix = _STAGE_PREFIX[stage]
         results = []
         for i, loader in enumerate(loaders):
             suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""
-            metrics = self._evaluate_loader(stage, module, loader, ckpt_path if i == 0 else None)
+            checkpoint = ckpt_path if i == 0 else None
+            metrics = self._evaluate_loader(stage, module, loader, checkpoint, limit, report)
             results.append({k + suffix: v for k, v in host_values(metrics, prefix).items()})
+        if not report:
+            return []
+        self._log({k: v for r in results for k, v in r.items()})
+        self._call(f"on_{stage}_end", module)
         return results
 
     def _evaluate_loader(
-        self, stage: str, module: JaxModule, loader: Any, ckpt_path: Any = None
+        self,
+        stage: str,
+        module: JaxModule,
+        loader: Any,
+        ckpt_path: Any,
+        limit: int | None,
+        report: bool,
     ) -> Metrics:
-        first, batches = self._eval_batches(loader, f"the {stage} dataloader")
-        variables = self._eval_variables(module, first, ckpt_path)
-        rows = first.host.mask.shape[0] // self.strategy.num_local_devices
-        example = shard_shapes(first.host.data, rows)
-        key = ("eval", module, jax.tree.structure(example), tuple(jax.tree.leaves(example)))
-        if key not in self._eval_fns:
-            compiled = self.strategy.compile(
-                build_eval_step(module), sharded_args=(False, False, True, True), sharded_out=False
-            )
-            local = jax.eval_shape(self.strategy.unreplicate, variables)
-            zeros = zero_eval_metrics(module, local, example)
-            self._eval_fns[key] = (compiled, self.strategy.replicate(zeros))
-        eval_step, acc = self._eval_fns[key]
-        self.num_eval_batches = self._num_batches_plain(loader)
-        self._call(f"on_{stage}_start", module)
-        for batch_idx, batch in enumerate(batches):
-            acc = eval_step(variables, acc, batch.data, batch.mask)
-            self._throttle(acc)
-            self._call(f"on_{stage}_batch_end", module, batch_idx)
-        self._drain()
-        self._call(f"on_{stage}_end", module)
+        with self._eval_batches(loader, f"the {stage} dataloader", limit) as batches:
+            first = batches.first
+            variables = self._eval_variables(module, first, ckpt_path)
+            rows = first.host.mask.shape[0] // self.strategy.num_local_devices
+            example = shard_shapes(first.host.data, rows)
+            key = ("eval", module, jax.tree.structure(example), tuple(jax.tree.leaves(example)))
+            if key not in self._eval_fns:
+                compiled = self.strategy.compile(
+                    build_eval_step(module),
+                    sharded_args=(False, False, True, True),
+                    sharded_out=False,
+                )
+                local = jax.eval_shape(self.strategy.unreplicate, variables)
+                zeros = zero_eval_metrics(module, local, example)
+                self._eval_fns[key] = (compiled, self.strategy.replicate(zeros))
+            eval_step, acc = self._eval_fns[key]
+            for batch_idx, batch in enumerate(batches):
+                acc = eval_step(variables, acc, batch.data, batch.mask)
+                self._throttle(acc)
+                if report:
+                    self._call(f"on_{stage}_batch_end", module, batch_idx)
+            self._drain()
         return self._fetch(acc)
 
-    def _eval_batches(self, loader: Any, name: str) -> tuple[DeviceBatch, Iterator[DeviceBatch]]:
-        """An evaluation loader's batches: in a multi-process run, this process's share."""
+    def _eval_batches(self, loader: Any, name: str, limit: int | None = None) -> Batches:
+        """An evaluation loader's batches (at most ``limit``): in a multi-process
+        run, this process's share."""
         if jax.process_count() == 1:
-            return self._batches(whole_batches(loader), name)  # type: ignore[return-value]
+            source = whole_batches(loader)
+            if limit is not None:
+                source = BatchSlice(source, 0, limit)
+            return self._batches(source, name)
         ordered = epoch_loader(
             loader,
             epoch=0,
@@ -109,7 +148,9 @@ class EvaluationMixin:
             replicas=jax.process_count(),
         )
         total = self._common_total(loader, ordered)
-        return self._batches(ordered, name, total=total)  # type: ignore[return-value]
+        if limit is not None:
+            total = limit if total is None else min(total, limit)
+        return self._batches(ordered, name, total=total)
 
     @staticmethod
     def _num_batches_plain(loader: Any) -> int | None:
@@ -139,13 +180,12 @@ class EvaluationMixin:
     ) -> list[dict[str, float]]:
         self._check_module(module, "eval_step")
         _ = self.log_dir  # fixes the run directory on every process at once
-        with self._host_threads():
-            results = self._evaluate(stage, module, dataloaders, ckpt_path)
-        values = {k: v for r in results for k, v in r.items()}
-        self._log(values)
-        if self.logger is not None:
-            self.logger.finalize()
-        return results
+        try:
+            with self._host_threads():
+                return self._evaluate(stage, module, dataloaders, ckpt_path)
+        finally:
+            if self.logger is not None:
+                self.logger.finalize()
 
     def predict(self, module: JaxModule, dataloaders: Any, *, ckpt_path: Any = None) -> Any:
         """Runs ``predict_step`` over ``dataloaders`` (with ``ckpt_path``'s variables).
@@ -165,23 +205,24 @@ class EvaluationMixin:
             return self._predict_loader(module, dataloaders, ckpt_path)
 
     def _predict_loader(self, module: JaxModule, loader: Any, ckpt_path: Any) -> Any:
-        first, batches = self._eval_batches(loader, "the predict dataloader")
-        variables = self._eval_variables(module, first, ckpt_path)
-        key = ("predict", module)
-        if key not in self._eval_fns:
-            self._eval_fns[key] = self.strategy.compile(
-                build_predict_step(module), sharded_args=(False, True), sharded_out=True
-            )
-        predict_step = self._eval_fns[key]
+        loader = in_dataset_order(loader)
         self.num_eval_batches = self._num_batches_plain(loader)
         self._call("on_predict_start", module)
-        outputs = []
-        for batch_idx, batch in enumerate(batches):
-            out = predict_step(variables, batch.data)
-            self._throttle(out)
-            outputs.append((out, batch.host.real))
-            self._call("on_predict_batch_end", module, batch_idx)
-        self._drain()
+        with self._eval_batches(loader, "the predict dataloader") as batches:
+            variables = self._eval_variables(module, batches.first, ckpt_path)
+            key = ("predict", module)
+            if key not in self._eval_fns:
+                self._eval_fns[key] = self.strategy.compile(
+                    build_predict_step(module), sharded_args=(False, True, True), sharded_out=True
+                )
+            predict_step = self._eval_fns[key]
+            outputs = []
+            for batch_idx, batch in enumerate(batches):
+                out = predict_step(variables, batch.data, batch.mask)
+                self._throttle(out)
+                outputs.append((out, batch.host.real))
+                self._call("on_predict_batch_end", module, batch_idx)
+            self._drain()
         self._call("on_predict_end", module)
         if jax.process_count() > 1:
             return self._assemble_predictions(loader, [o for o, _ in outputs])
@@ -197,10 +238,7 @@ class EvaluationMixin:
             )
         processes, b = jax.process_count(), loader.batch_size
         sampler = EpochSampler(
-            len(loader.dataset),
-            shuffle=isinstance(loader.sampler, RandomSampler),
-            seed=self.seed,
-            replicas=processes,
+            len(loader.dataset), shuffle=False, seed=self.seed, replicas=processes
         )
         shares = [sampler.share(p) for p in range(processes)]
         gathered = [self.strategy.gather(o) for o in outputs]

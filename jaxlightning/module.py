@@ -9,7 +9,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import numpy as np
 import optax
+
+
+def _is_numeric(value: Any) -> bool:
+    """A number or an array of numbers or booleans (a traced one included)."""
+    if isinstance(value, (bool, int, float, np.number, np.bool_)):
+        return True
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not hasattr(value, "shape"):
+        return False
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.number)) or np.dtype(dtype) == np.bool_
 
 
 class AttributeDict(dict):
@@ -65,14 +76,21 @@ class JaxModule:
         self.hparams = AttributeDict()
         self.variables: dict[str, Any] | None = None
         self._log_sink: dict[str, jax.Array] | None = None
+        self._hook: str = ""
+        self._mask: jax.Array | None = None
 
     # ----------------------------------------------------------------- hooks
     def setup(self, rng: jax.Array, batch: Any) -> dict[str, Any]:
-        """Host, once per run: returns the initial flax variables.
+        """Once per run: returns the initial flax variables.
+
+        Runs traced, under one ``jax.jit`` (the initialisers then compile into
+        one program, much faster than one by one): ``batch`` holds abstract
+        arrays of the right shapes and dtypes, so call your flax module's
+        ``init`` on it, but do not convert it to numpy or branch on its values.
 
         Args:
             rng: a PRNG key for initialisation.
-            batch: one device's share of the first training batch (numpy arrays).
+            batch: one device's share of the first training batch.
         """
         raise NotImplementedError(
             f"{type(self).__name__} must define setup(self, rng, batch) returning "
@@ -105,6 +123,23 @@ class JaxModule:
         raise NotImplementedError
 
     # --------------------------------------------------------------- logging
+    @property
+    def batch_mask(self) -> jax.Array:
+        """Inside a traced hook: which rows of this device's shard are real.
+
+        A boolean vector, one entry per row; ``False`` marks the padding rows the
+        Trainer adds to fill the last, smaller batch to the fixed batch size
+        (copies of the last real row). Losses and ``self.log`` values already
+        leave them out; use it where your own code computes over the batch,
+        e.g. ``nn.BatchNorm(...)(x, mask=self.batch_mask[:, None])``.
+        """
+        if self._mask is None:
+            raise RuntimeError(
+                "batch_mask is only defined inside loss(), eval_step() and predict_step() "
+                "while the Trainer traces them"
+            )
+        return self._mask
+
     def log(self, name: str, value: Any) -> None:
         """Records a metric from inside `loss` or `eval_step`.
 
@@ -123,16 +158,31 @@ class JaxModule:
             raise ValueError(f"self.log needs a non-empty string name, got {name!r}")
         if name in self._log_sink:
             raise ValueError(f"self.log({name!r}, ...) was called twice in one step")
+        if self._hook == "loss" and name == "loss":
+            raise ValueError(
+                "self.log('loss', ...) inside loss(): 'train/loss' is what loss() returns, "
+                "logged by the Trainer. Return that value, or log yours under another name"
+            )
+        if not _is_numeric(value):
+            hint = " (log each entry: self.log(name, v) per key)" if isinstance(value, dict) else ""
+            raise TypeError(
+                f"self.log({name!r}, ...) in {self._hook}() got a {type(value).__name__}; "
+                f"log a number, a scalar array or a per-example array{hint}"
+            )
         self._log_sink[name] = value
 
     @contextlib.contextmanager
-    def _collect_logs(self) -> Iterator[dict[str, jax.Array]]:
-        """Within the block, `log` records into the yielded dict."""
-        previous, self._log_sink = self._log_sink, {}
+    def _collect_logs(
+        self, hook: str, mask: jax.Array | None = None
+    ) -> Iterator[dict[str, jax.Array]]:
+        """Within the block, `log` records into the yielded dict and `batch_mask`
+        is ``mask``; ``hook`` names the traced hook in error messages."""
+        previous = self._log_sink, self._hook, self._mask
+        self._log_sink, self._hook, self._mask = {}, hook, mask
         try:
             yield self._log_sink
         finally:
-            self._log_sink = previous
+            self._log_sink, self._hook, self._mask = previous
 
     def save_hyperparameters(self, *names: str, ignore: tuple[str, ...] = ()) -> None:
         """Records the calling ``__init__``'s arguments in `hparams`.

@@ -88,7 +88,7 @@ class CheckpointingMixin:
     def _stop_on_signal(self, module: JaxModule) -> None:
         name = signal.Signals(self._stop_signal).name
         checkpoints = [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
-        paths = [c.save(self, module) for c in checkpoints]
+        paths = [c.save(self, module, resume_point=True) for c in checkpoints]
         for c in checkpoints:
             c.finish(prune=True)
         if not distributed.is_rank_zero():

@@ -203,17 +203,37 @@ def epoch_loader(
             "the order is only restored if the loader is deterministic",
             stacklevel=3,
         )
-        return _Skipped(whole_batches(loader), skip_batches)
+        return BatchSlice(whole_batches(loader), skip_batches)
     return whole_batches(loader)
 
 
-class _Skipped:
-    def __init__(self, loader: Iterable[Any], skip: int) -> None:
-        self.loader, self.skip = loader, skip
-        self.batch_size = loader_batch_size(loader)  # the pad size stays the loader's
+def in_dataset_order(loader: Any) -> Any:
+    """``loader`` without shuffling, for prediction (rows come back in dataset order).
+
+    A plain DataLoader that shuffles is rebuilt with a sequential sampler, with
+    a warning; other loaders are returned as they are.
+    """
+    if _ownable(loader) and isinstance(loader.sampler, RandomSampler):
+        warnings.warn(
+            "the predict dataloader shuffles; predict reads it in dataset order instead, "
+            "so that output row i belongs to dataset example i (pass shuffle=False to "
+            "silence this)",
+            stacklevel=4,
+        )
+        return _rebuild(loader, SequentialSampler(loader.dataset))
+    return loader
+
+
+class BatchSlice:
+    """Batches ``start`` to ``stop`` of a loader; the pad size stays the loader's."""
+
+    def __init__(self, loader: Iterable[Any], start: int, stop: int | None = None) -> None:
+        self.loader, self.start, self.stop = loader, start, stop
+        self.batch_size = loader_batch_size(loader)
 
     def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.loader), self.skip, None)
+        return itertools.islice(iter(self.loader), self.start, self.stop)
 
     def __len__(self) -> int:
-        return max(len(self.loader) - self.skip, 0)  # type: ignore[arg-type]
+        n = len(self.loader)  # type: ignore[arg-type]
+        return max(min(n, n if self.stop is None else self.stop) - self.start, 0)

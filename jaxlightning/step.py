@@ -75,9 +75,15 @@ def _logged_metrics(logged: Mapping[str, Any], mask: jax.Array) -> Metrics:
     return {name: _average(name, value, mask) for name, value in logged.items()}
 
 
-def _merge(acc: Metrics | None, new: Metrics) -> Metrics:
+def _merge(acc: Metrics | None, new: Metrics, hook: str) -> Metrics:
     if acc is None:
         return new
+    if acc.keys() != new.keys():
+        raise ValueError(
+            f"{hook}() logged {sorted(new)} in this trace but {sorted(acc)} when the "
+            "Trainer first traced it; log the same names every time (a Python "
+            "condition on shapes or attributes can change them between traces)"
+        )
     return {name: acc[name].merge(metric) for name, metric in new.items()}
 
 
@@ -86,35 +92,74 @@ def _merge_train(acc: TrainMetrics | None, new: Metrics, step: jax.Array) -> Tra
     if acc is None:
         return TrainMetrics(new, bad)
     first = jnp.where(acc.first_nonfinite > 0, acc.first_nonfinite, bad)
-    return TrainMetrics(_merge(acc.metrics, new), first)
+    return TrainMetrics(_merge(acc.metrics, new, "loss"), first)
 
 
 def _zero_average() -> clu_metrics.Average:
     return clu_metrics.Average(total=np.zeros((), np.float32), count=np.zeros((), np.int32))
 
 
-def _logged_names(module: JaxModule, hook: Callable[..., Any], *args: Any) -> list[str]:
-    """The names ``hook`` logs, from an abstract trace of the hook alone.
+def _logged_names(
+    module: JaxModule, hook: str, variables: Any, batch: Any, *extra: Any
+) -> list[str]:
+    """The names the hook ``hook`` logs, from an abstract trace of the hook alone.
 
-    Cheaper than tracing a whole step (no gradient, no collectives), and needs
-    no device: the step functions take their accumulators as inputs, so their
-    structure must be known before the step is traced for real.
+    Cheaper than tracing a whole step (no gradient), and needs no device: the
+    step functions take their accumulators as inputs, so their structure must
+    be known before the step is traced for real. The trace runs with the device
+    axis `AXIS` bound (a one-device ``vmap``), so hooks that use it (SyncBatchNorm,
+    ``lax.pmean``, ``axis_index``) trace as they do in the step.
     """
     names: list[str] = []
+    rows = jax.tree.leaves(batch)[0].shape[0]
 
     def run(*args: Any) -> None:
-        with module._collect_logs() as logged:
-            hook(*args)
+        with module._collect_logs(hook, jnp.ones(rows, bool)) as logged:
+            getattr(module, hook)(*args)
         names.extend(logged)
 
-    jax.eval_shape(run, *args)
+    one_device = jax.vmap(run, in_axes=None, axis_name=AXIS, axis_size=1)
+    jax.eval_shape(one_device, variables, batch, *extra)
     return names
+
+
+_HOST_ONLY_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
+
+def checked_setup(module: JaxModule, rng: jax.Array, example: Any) -> dict[str, Any]:
+    """``module.setup(rng, example)`` under a trace, its result checked."""
+    try:
+        variables = module.setup(rng, example)
+    except _HOST_ONLY_ERRORS as exc:
+        raise TypeError(
+            f"{type(module).__name__}.setup() runs traced (once, under jax.jit), so "
+            "host-only code on its batch (np.asarray, float(), `if` on values) fails "
+            f"there; use only shapes and dtypes of the batch. JAX said: {exc}"
+        ) from exc
+    if not isinstance(variables, Mapping):
+        raise TypeError(
+            f"{type(module).__name__}.setup() returned {type(variables).__name__}; return "
+            "the flax variables dict, e.g. `return self.net.init(rng, batch[0])`"
+        )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]:
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.number, float, int)):
+            raise TypeError(
+                f"{type(module).__name__}.setup() returned variables"
+                f"{jax.tree_util.keystr(path)} of type {type(leaf).__name__}; every leaf "
+                "must be an array (keep other settings as module attributes)"
+            )
+    return dict(variables)
 
 
 def zero_train_metrics(module: JaxModule, state: TrainState, batch: Any) -> TrainMetrics:
     """An empty `TrainMetrics` for ``module``'s logs (``batch``: one device's shard)."""
     rngs = {s: state.rng for s in module.rng_streams}
-    names = _logged_names(module, module.loss, state.variables, batch, rngs)
+    names = _logged_names(module, "loss", state.variables, batch, rngs)
     metrics = {name: _zero_average() for name in names}
     metrics["loss"] = _zero_average()
     return TrainMetrics(metrics, np.zeros((), np.int32))
@@ -122,11 +167,18 @@ def zero_train_metrics(module: JaxModule, state: TrainState, batch: Any) -> Trai
 
 def zero_eval_metrics(module: JaxModule, variables: Any, batch: Any) -> Metrics:
     """Empty accumulators for what ``module.eval_step`` logs."""
-    names = _logged_names(module, module.eval_step, variables, batch)
+    names = _logged_names(module, "eval_step", variables, batch)
     return {name: _zero_average() for name in names}
 
 
 def _split_loss_output(out: Any, model_state: Mapping[str, Any]) -> tuple[Any, dict]:
+    if isinstance(out, Mapping):
+        raise TypeError(
+            f"loss() returned a dict with keys {sorted(out)}; return the loss itself "
+            "(a scalar or a per-example vector), not Lightning's {'loss': ...}. Log "
+            "other values with self.log, and return mutated collections as "
+            "(loss, {'batch_stats': ...})"
+        )
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], Mapping):
             raise TypeError(
@@ -146,7 +198,16 @@ def _split_loss_output(out: Any, model_state: Mapping[str, Any]) -> tuple[Any, d
 
 def _masked_loss_sum(loss: Any, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(sum over real examples, number of real examples) of one shard's loss."""
+    if not isinstance(loss, (jax.Array, np.ndarray, np.number, float, int)) or isinstance(
+        loss, bool
+    ):
+        raise TypeError(
+            f"loss() returned a {type(loss).__name__}; return a scalar or a per-example "
+            f"vector of shape {mask.shape} (this device's shard), or (loss, updates)"
+        )
     loss = jnp.asarray(loss)
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(f"loss() returned dtype {loss.dtype}; return a floating-point loss")
     real = mask.sum(dtype=jnp.int32)
     if loss.shape == ():
         # A scalar is taken as the shard's mean; weighting it by the shard's real
@@ -182,7 +243,7 @@ def build_train_step(
 
         def objective(params):
             variables = {"params": params, **state.model_state}
-            with module._collect_logs() as logged:
+            with module._collect_logs("loss", mask) as logged:
                 out = module.loss(variables, batch, rngs)
             loss, updates = _split_loss_output(out, state.model_state)
             total, count = _masked_loss_sum(loss, mask)
@@ -207,7 +268,7 @@ def build_eval_step(
     """Per-device eval step ``(variables, acc, batch, mask) -> acc``."""
 
     def jl_eval_step(variables, acc, batch, mask):
-        with module._collect_logs() as logged:
+        with module._collect_logs("eval_step", mask) as logged:
             module.eval_step(variables, batch)
         if not logged:
             raise ValueError(
@@ -215,16 +276,17 @@ def build_eval_step(
                 "value) in it for each metric to report"
             )
         metrics = _psum(_logged_metrics(logged, mask))
-        return _merge(acc, metrics)
+        return _merge(acc, metrics, "eval_step")
 
     return jl_eval_step
 
 
-def build_predict_step(module: JaxModule) -> Callable[[dict[str, Any], Any], Any]:
-    """Per-device predict step ``(variables, batch) -> outputs`` (per-example rows)."""
+def build_predict_step(module: JaxModule) -> Callable[[dict[str, Any], Any, jax.Array], Any]:
+    """Per-device predict step ``(variables, batch, mask) -> outputs`` (per-example rows)."""
 
-    def jl_predict_step(variables, batch):
-        out = module.predict_step(variables, batch)
+    def jl_predict_step(variables, batch, mask):
+        with module._collect_logs("predict_step", mask):
+            out = module.predict_step(variables, batch)
         rows = jax.tree.leaves(batch)[0].shape[0]
         for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
             shape = jnp.shape(leaf)

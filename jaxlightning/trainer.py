@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections import deque
@@ -13,11 +14,18 @@ import jax
 import numpy as np
 import optax
 
-from jaxlightning import compile_cache, distributed
+from jaxlightning import checks, compile_cache, distributed
 from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
-from jaxlightning.checkpoint import read_meta, restore
-from jaxlightning.compiling import in_background
-from jaxlightning.data import DeviceBatch, Padder, Prefetcher, loader_batch_size, torch_threads
+from jaxlightning.checkpoint import read_meta, restore, restore_variables
+from jaxlightning.compiling import Precompiled, compile_with_options, in_background, join_quietly
+from jaxlightning.data import (
+    Batches,
+    DeviceBatch,
+    Padder,
+    Prefetcher,
+    loader_batch_size,
+    torch_threads,
+)
 from jaxlightning.evaluation import EvaluationMixin, host_values, shard_shapes
 from jaxlightning.loggers import Logger, TensorBoardLogger
 from jaxlightning.module import JaxModule
@@ -25,7 +33,7 @@ from jaxlightning.resume import CheckpointingMixin
 from jaxlightning.sampling import common_num_batches, epoch_loader
 from jaxlightning.signals import StopRequest
 from jaxlightning.state import TrainState, create_train_state
-from jaxlightning.step import TrainMetrics, build_train_step, zero_train_metrics
+from jaxlightning.step import TrainMetrics, build_train_step, checked_setup, zero_train_metrics
 from jaxlightning.strategies import Strategy, resolve_strategy
 
 
@@ -38,6 +46,8 @@ _PAD_BATCH = object()
 # and, on CPU, its older fusion emitters compile the random initialisers of an
 # MNIST-sized MLP in 0.3 s instead of 1.1 s, with bitwise the values of the
 # default compile (level 0 is faster still, but rounds differently: 1 ulp).
+# Both are private XLA options: `compile_with_options` drops any the backend
+# rejects (JAX 0.11 removed the fusion-emitter one).
 _RUN_ONCE_OPTIONS = {"xla_backend_optimization_level": 1}
 _RUN_ONCE_CPU_OPTIONS = {**_RUN_ONCE_OPTIONS, "xla_cpu_use_fusion_emitters": False}
 
@@ -73,6 +83,8 @@ def _resolve_devices(devices: int | str | Sequence[jax.Device]) -> list[jax.Devi
             )
         return local[:devices]
     if isinstance(devices, Sequence) and all(isinstance(d, jax.Device) for d in devices):
+        if not devices:
+            raise ValueError("devices=[]: give at least one device, a count, or 'auto'")
         return list(devices)
     raise ValueError(f"devices={devices!r}: use 'auto', a count, or a list of jax devices")
 
@@ -89,13 +101,17 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
 
     Args:
         max_epochs: stop after this many epochs (default 1000 when ``max_steps``
-            is not set either, as in Lightning).
+            is not set either, as in Lightning; -1: no epoch limit).
         max_steps: stop after this many optimizer steps (-1: no limit).
         devices: ``"auto"`` (all local devices), a count, or a list of devices.
         strategy: ``"auto"`` (= ``"shard_map"``), ``"pmap"``, ``"shard_map"`` or
             a `Strategy` instance.
         log_every_n_steps: report ``train/*`` averages every this many steps.
         check_val_every_n_epoch: validate after every this many epochs.
+        num_sanity_val_steps: before training, run this many batches of each
+            validation loader (-1: all; 0: none), discarding the results, so
+            that a bug in ``eval_step`` shows before an epoch of training
+            rather than after it. Also compiles the eval step ahead.
         default_root_dir: where logs go (default: the working directory).
         logger: ``True`` for a `TensorBoardLogger`, ``False`` for none, or a `Logger`.
         enable_progress_bar: show tqdm bars.
@@ -129,29 +145,28 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         strategy: str | Strategy = "auto",
         log_every_n_steps: int = 50,
         check_val_every_n_epoch: int = 1,
+        num_sanity_val_steps: int = 2,
         default_root_dir: str | os.PathLike[str] | None = None,
         logger: bool | Logger = True,
         enable_progress_bar: bool = True,
         seed: int = 0,
-        callbacks: Sequence[Callback] | None = None,
+        callbacks: Sequence[Callback] | Callback | None = None,
         enable_checkpointing: bool = True,
         stop_on_nonfinite_loss: bool = True,
         use_distributed_sampler: bool = True,
         num_nodes: int | None = None,
         compilation_cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        if max_epochs is None and max_steps == -1:
-            max_epochs = 1000
-        if log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
-        if check_val_every_n_epoch < 1:
-            raise ValueError(f"check_val_every_n_epoch must be >= 1, got {check_val_every_n_epoch}")
-        self.max_epochs = max_epochs
-        self.max_steps = max_steps
-        self.log_every_n_steps = log_every_n_steps
-        self.check_val_every_n_epoch = check_val_every_n_epoch
+        self.max_epochs, self.max_steps = checks.epoch_limit(max_epochs, max_steps)
+        self.log_every_n_steps = checks.int_arg("log_every_n_steps", log_every_n_steps, minimum=1)
+        self.check_val_every_n_epoch = checks.int_arg(
+            "check_val_every_n_epoch", check_val_every_n_epoch, minimum=1
+        )
+        self.num_sanity_val_steps = checks.int_arg(
+            "num_sanity_val_steps", num_sanity_val_steps, minimum=-1, hint=" (-1: all batches)"
+        )
+        self.seed = checks.int_arg("seed", seed, minimum=0)
         self.default_root_dir = os.fspath(default_root_dir or os.getcwd())
-        self.seed = seed
         distributed.initialize(num_nodes)  # before anything touches the devices
         if compilation_cache_dir is not None:
             compile_cache.enable(compilation_cache_dir)
@@ -160,6 +175,8 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         if logger is True:
             logger = TensorBoardLogger(self.default_root_dir)
         self.logger: Logger | None = logger or None
+        if isinstance(callbacks, Callback):
+            callbacks = [callbacks]
         self.callbacks: list[Callback] = list(callbacks or [])
         if enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
             self.callbacks.append(ModelCheckpoint())
@@ -189,6 +206,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         self._in_flight: deque[Any] = deque()
         self._eval_fns: dict[Any, Any] = {}
         self._fit_module: JaxModule | None = None
+        self._train_step: Any = None
 
     # ------------------------------------------------------------ properties
     @property
@@ -232,12 +250,12 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         *,
         allow_empty: bool = False,
         total: int | None = None,
-    ) -> tuple[DeviceBatch | None, Iterator[DeviceBatch]]:
-        """Starts prefetching ``loader``; returns its first batch and the iterator.
+    ) -> Batches:
+        """Starts prefetching ``loader``; its first batch is ready on return.
 
         With ``total``, yields exactly that many batches, adding all-padding
         ones at the end: every process of a multi-process run must run the same
-        number of steps.
+        number of steps. The caller closes the result.
         """
         padder = Padder(self.strategy.num_local_devices, loader_batch_size(loader))
         put = self.strategy.put_batch
@@ -248,29 +266,14 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
             return DeviceBatch(host, data, mask)
 
         source = loader if total is None else _exactly(loader, total)
-        prefetcher = Prefetcher(source, prepare, depth=self.strategy.prefetch_depth)
-        iterator = iter(prefetcher)
-        try:
-            first = next(iterator)
-        except StopIteration:
-            prefetcher.close()
-            if allow_empty:
-                return None, iter(())
+        batches = Batches(Prefetcher(source, prepare, depth=self.strategy.prefetch_depth))
+        if batches.first is None and not allow_empty:
+            batches.close()
             raise ValueError(
                 f"{name} yielded no batches; check the dataset's length and the "
                 "DataLoader's drop_last setting"
-            ) from None
-        except BaseException:
-            prefetcher.close()
-            raise
-
-        def run() -> Iterator[DeviceBatch]:
-            try:
-                yield from itertools.chain([first], iterator)
-            finally:
-                prefetcher.close()
-
-        return first, run()
+            )
+        return batches
 
     def _example(self, first: DeviceBatch) -> Any:
         """One device's share of the first batch, for ``setup``."""
@@ -293,17 +296,25 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         With ``abstract``, only the shapes, without compiling or running.
         """
         init, args = self._init_program(module, tx, first)
-        return jax.eval_shape(init, *args) if abstract else init(*args)
+        if abstract:
+            return jax.eval_shape(init, *args)
+        return self._compile_once(init.trace(*args).lower())(*args)
 
     def _start_init_state(
         self, module: JaxModule, tx: optax.GradientTransformation, first: DeviceBatch
     ) -> tuple[Any, Future[Any]]:
         """The initial train state's shapes now, and the state itself compiled
-        and computed on a worker thread while the caller traces the train step."""
+        and computed on a worker thread while the caller traces the train step.
+        The caller must wait for the future on every path (`join_quietly`)."""
         init, args = self._init_program(module, tx, first)
         traced = init.trace(*args)
         lowered = traced.lower()
-        return traced.out_info, in_background(lambda: lowered.compile()(*args))
+        return traced.out_info, in_background(lambda: self._compile_once(lowered)(*args))
+
+    def _compile_once(self, lowered: Any) -> Any:
+        # Runs once: compiling it quickly matters more than running it quickly.
+        options = _RUN_ONCE_CPU_OPTIONS if self.strategy.on_cpu else _RUN_ONCE_OPTIONS
+        return compile_with_options(lowered, options)
 
     def _init_program(
         self, module: JaxModule, tx: optax.GradientTransformation | None, first: DeviceBatch
@@ -311,15 +322,12 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         def jl_init(seed, variables, example):
             init_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
             if variables is None:
-                variables = module.setup(init_rng, example)
+                variables = checked_setup(module, init_rng, example)
             if tx is None:
                 return variables
             return create_train_state(variables, tx, train_rng)
 
-        # Runs once: compiling it quickly matters more than running it quickly.
-        options = _RUN_ONCE_CPU_OPTIONS if self.strategy.on_cpu else _RUN_ONCE_OPTIONS
-        init = jax.jit(jl_init, compiler_options=options)
-        return init, (self.seed, module.variables, self._example(first))
+        return jax.jit(jl_init), (self.seed, module.variables, self._example(first))
 
     @staticmethod
     def _check_module(module: JaxModule, *hooks: str) -> None:
@@ -333,6 +341,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
                     f"{type(module).__name__} does not define {hook}(); the Trainer "
                     f"needs it here. See JaxModule.{hook} for its signature"
                 )
+        checks.lightning_hooks(module)
 
     # ------------------------------------------------------------------- fit
     def fit(
@@ -351,7 +360,9 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
             val_dataloaders: one loader or a list, or ``None``.
             ckpt_path: resume from a checkpoint: ``"last"``, ``"best"`` or a
                 checkpoint folder. The run continues exactly where it stopped,
-                mid-epoch included.
+                mid-epoch included. A run that has nothing left to do (its
+                checkpoint is at ``max_epochs``, say) just loads the
+                checkpoint's variables into ``module`` and says so.
         """
         with self._host_threads():
             self._fit(module, train_dataloaders, val_dataloaders, ckpt_path)
@@ -366,62 +377,103 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         self._check_module(module, "setup", "configure_optimizers", "loss")
         if val_dataloaders is not None:
             self._check_module(module, "eval_step")
-        tx = module.configure_optimizers()
-        if not isinstance(tx, optax.GradientTransformation):
-            raise TypeError(
-                f"configure_optimizers() returned {type(tx).__name__}; return an optax "
-                "GradientTransformation such as optax.adam(1e-3)"
-            )
+        tx = checks.optimizer(module)
+        passes = "once per epoch" if self.max_epochs != 1 else "once per fit"
+        checks.reiterable(train_dataloaders, "train_dataloaders", passes=passes)
+        for loader in _as_list(val_dataloaders):
+            checks.reiterable(loader, "val_dataloaders", passes="at every validation")
+
         resume = self._resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
         meta = read_meta(resume) if resume else None
+        skip = 0
         if meta is not None:
             self._adopt_log_dir(meta.get("log_dir"))
             progress = meta["progress"]
             self.current_epoch, skip = progress["epoch"], progress["batch"]
             self.global_step = progress["global_step"]
-        else:
-            skip = 0
+        # A fresh run always builds its state, even to train 0 steps (max_steps=0
+        # initialises the module); one that continues a run may have nothing left.
+        continues = resume is not None or self._state is not None
+        finished = self._finished(train_dataloaders, skip) if continues else ""
+        if finished:
+            self._nothing_left(module, resume, finished)
+            return
 
-        first, batches = self._epoch_batches(train_dataloaders, self.current_epoch, skip)
-        if first is None:  # a resumed epoch with no batches left
-            example_first, example_batches = self._epoch_batches(train_dataloaders, 0, 0)
-            example_batches.close()
-        else:
-            example_first = first
-        # Start-up order: XLA compiles the initial state on a worker thread while
-        # this one traces the train step, which then compiles in turn while this
-        # one sets up the rest of the run.
-        shapes, pending_state = self._start_init_state(module, tx, example_first)
-        rows = example_first.host.mask.shape[0] // self.strategy.num_local_devices
-        acc0 = zero_train_metrics(module, shapes, shard_shapes(example_first.host.data, rows))
+        # Every thread started from here on (prefetching, compiles) is joined on
+        # every way out: one still running in XLA when the process exits aborts it.
+        with contextlib.ExitStack() as threads:
+            batches: Batches | None = self._epoch_batches(
+                train_dataloaders, self.current_epoch, skip
+            )
+            threads.callback(batches.close)
+            example = batches.first or self._first_batch(train_dataloaders)
+            acc0 = self._start_run(module, tx, example, resume, meta, threads)
+            self._progress = (self.current_epoch, skip)
+            self._fit_loop(module, train_dataloaders, val_dataloaders, batches, skip, acc0)
+        module.variables = self.strategy.unreplicate(self._state).variables
+        self._call("on_fit_end", module)
+
+    def _first_batch(self, loader: Iterable[Any]) -> DeviceBatch:
+        """The first batch of epoch 0, for shapes (a resumed epoch may have none left)."""
+        with self._epoch_batches(loader, 0, 0) as batches:
+            return batches.first
+
+    def _start_run(
+        self,
+        module: JaxModule,
+        tx: optax.GradientTransformation,
+        example: DeviceBatch,
+        resume: str | None,
+        meta: dict[str, Any] | None,
+        threads: contextlib.ExitStack,
+    ) -> TrainMetrics:
+        """Builds (or restores) the state and compiles the train step; returns the
+        empty metric accumulator, replicated.
+
+        Start-up order: XLA compiles the initial state on a worker thread while
+        this one traces the train step, which then compiles in turn while this
+        one sets up the rest of the run.
+        """
+        shapes, pending_state = self._start_init_state(module, tx, example)
+        threads.callback(join_quietly, pending_state)
+        rows = example.host.mask.shape[0] // self.strategy.num_local_devices
+        acc0 = zero_train_metrics(module, shapes, shard_shapes(example.host.data, rows))
         train_step = self.strategy.compile(
             build_train_step(module, tx),
             sharded_args=(False, False, True, True),
             sharded_out=(False, False),
             donate_argnums=(0,),
         )
-        train_step = self.strategy.precompile(
-            train_step, shapes, acc0, example_first.data, example_first.mask
-        )
+        train_step = self.strategy.precompile(train_step, shapes, acc0, example.data, example.mask)
+        if isinstance(train_step, Precompiled):
+            threads.callback(train_step.join)
+        self._train_step = train_step
         state = pending_state.result()
         acc = acc0
         if resume is not None:
             restored = restore(resume, {"state": state, "acc": acc0})
             state, acc = restored["state"], restored["acc"]
-            self._load_callback_states(meta.get("callbacks", {}))
+            self._load_callback_states(meta.get("callbacks", {}) if meta else {})
         self._state = self.strategy.replicate(state)
-        acc0 = self.strategy.replicate(acc0)
         self._acc = self.strategy.replicate(acc)
         self._eval_fns.clear()
         self._fit_module = module
         self.should_stop = False
         self._stop_signal = 0
-        self._progress = (self.current_epoch, skip)
+        return self.strategy.replicate(acc0)
 
+    def _fit_loop(
+        self,
+        module: JaxModule,
+        train_dataloaders: Iterable[Any],
+        val_dataloaders: Any,
+        batches: Batches | None,
+        skip: int,
+        acc0: TrainMetrics,
+    ) -> None:
         _ = self.log_dir  # fixes the run directory on every process at once
-        if self.logger is not None and module.hparams and resume is None:
+        if self.logger is not None and module.hparams and skip == 0 and self.global_step == 0:
             self.logger.log_hyperparams(module.hparams)
-        self._call("on_fit_start", module)
         epochs = (
             range(self.current_epoch, self.max_epochs)
             if self.max_epochs is not None
@@ -429,35 +481,16 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         )
         try:
             with self._stop_request:
+                self._call("on_fit_start", module)
+                self._sanity_check(module, val_dataloaders)
                 for epoch in epochs:
                     if self._step_limit_reached():
                         break
                     self.current_epoch = epoch
-                    self.epoch_completed = False
                     if batches is None:
-                        _, batches = self._epoch_batches(train_dataloaders, epoch, 0)
-                    self._epoch_offset = self.global_step - skip
-                    self.num_training_batches = self._num_batches(train_dataloaders, skip)
-                    self._call("on_train_epoch_start", module)
-                    for batch_idx, batch in enumerate(batches, start=skip):
-                        if self._step_limit_reached() or self._stop_signal:
-                            self.should_stop = True
-                            break
-                        self._state, self._acc = train_step(
-                            self._state, self._acc, batch.data, batch.mask
-                        )
-                        self._throttle(self._acc)
-                        self.global_step += 1
-                        self._progress = (epoch, batch_idx + 1)
-                        at_report = self.global_step % self.log_every_n_steps == 0
-                        if at_report:
-                            self._report_train(log=True)
-                            self._acc = acc0
-                        self._stop_signal = self._agreed_signal(at_report)
-                        self._call("on_train_batch_end", module, batch_idx)
-                    else:
-                        self.epoch_completed = True
-                    batches.close()
+                        batches = self._epoch_batches(train_dataloaders, epoch, 0)
+                    with batches:
+                        self._train_epoch(module, train_dataloaders, batches, epoch, skip, acc0)
                     batches, skip = None, 0
                     if self._stop_signal:
                         self._stop_on_signal(module)
@@ -466,8 +499,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
                         if val_dataloaders is not None and (
                             (epoch + 1) % self.check_val_every_n_epoch == 0
                         ):
-                            results = self._evaluate("validation", module, val_dataloaders)
-                            self._log({k: v for r in results for k, v in r.items()})
+                            self._evaluate("validation", module, val_dataloaders)
                         self._progress = (epoch + 1, 0)
                     self._call("on_train_epoch_end", module)
                     if self.epoch_completed:
@@ -479,17 +511,78 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
             self._call("teardown", module)
             raise
         finally:
-            if batches is not None:
-                batches.close()
             self._drain()
             if self.logger is not None:
                 self.logger.finalize()
-        module.variables = self.strategy.unreplicate(self._state).variables
-        self._call("on_fit_end", module)
 
-    def _epoch_batches(
-        self, loader: Iterable[Any], epoch: int, skip: int
-    ) -> tuple[DeviceBatch | None, Iterator[DeviceBatch]]:
+    def _train_epoch(
+        self,
+        module: JaxModule,
+        loader: Iterable[Any],
+        batches: Batches,
+        epoch: int,
+        skip: int,
+        acc0: TrainMetrics,
+    ) -> None:
+        """One epoch's steps from batch ``skip``; sets `epoch_completed`."""
+        self.epoch_completed = False
+        self._epoch_offset = self.global_step - skip
+        self.num_training_batches = self._num_batches(loader, skip)
+        self._call("on_train_epoch_start", module)
+        for batch_idx, batch in enumerate(batches, start=skip):
+            if self.should_stop or self._stop_signal or self._step_limit_reached():
+                self.should_stop = True
+                return
+            self._state, self._acc = self._train_step(
+                self._state, self._acc, batch.data, batch.mask
+            )
+            self._throttle(self._acc)
+            self.global_step += 1
+            self._progress = (epoch, batch_idx + 1)
+            at_report = self.global_step % self.log_every_n_steps == 0
+            if at_report:
+                self._report_train(log=True)
+                self._acc = acc0
+            self._stop_signal = self._agreed_signal(at_report)
+            self._call("on_train_batch_end", module, batch_idx)
+        self.epoch_completed = True
+
+    def _sanity_check(self, module: JaxModule, val_dataloaders: Any) -> None:
+        """A few validation batches before training, results discarded."""
+        if val_dataloaders is None or self.num_sanity_val_steps == 0:
+            return
+        limit = None if self.num_sanity_val_steps < 0 else self.num_sanity_val_steps
+        self._evaluate("validation", module, val_dataloaders, limit=limit, report=False)
+
+    def _finished(self, loader: Iterable[Any], skip: int) -> str:
+        """Why a fit from the current progress would train nothing ("" if it would)."""
+        if self.max_epochs is not None and self.current_epoch >= self.max_epochs:
+            return f"max_epochs={self.max_epochs} reached"
+        if not self._step_limit_reached():
+            return ""
+        # At an epoch's last batch, that epoch's end (validation) is still due.
+        epoch_end_due = skip > 0 and self._num_batches_plain(loader) == skip
+        return "" if epoch_end_due else f"max_steps={self.max_steps} reached"
+
+    def _nothing_left(self, module: JaxModule, resume: str | None, reason: str) -> None:
+        if resume is not None:
+            module.variables = restore_variables(resume)
+            if self._fit_module is module:  # its variables no longer are the fit's state
+                self._fit_module = None
+            where = f"checkpoint {resume} is"
+        elif module.variables is not None:
+            where = "this Trainer is"
+        else:
+            where = "this Trainer is (and the module was not trained by it)"
+        if distributed.is_rank_zero():
+            print(
+                f"fit: nothing left to do: {reason}; the {where} at epoch "
+                f"{self.current_epoch}, step {self.global_step}. Raise max_epochs or "
+                "max_steps to train further.",
+                flush=True,
+            )
+
+    def _epoch_batches(self, loader: Iterable[Any], epoch: int, skip: int) -> Batches:
         ordered = epoch_loader(
             loader,
             epoch=epoch,
@@ -563,3 +656,9 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         self.callback_metrics = {**self.callback_metrics, **values}
         if self.logger is not None:
             self.logger.log_metrics(self.logged_metrics, step=self.global_step)
+
+
+def _as_list(loaders: Any) -> list[Any]:
+    if loaders is None:
+        return []
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -11,7 +12,12 @@ import numpy as np
 
 from jaxlightning import distributed
 from jaxlightning.callbacks.base import Callback
-from jaxlightning.checkpoint import CheckpointWriter
+from jaxlightning.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    complete_checkpoints,
+    move_aside,
+)
 
 if TYPE_CHECKING:
     from jaxlightning.module import JaxModule
@@ -82,7 +88,10 @@ class ModelCheckpoint(Callback):
         self.best_model_path = ""
         self.best_model_score: float | None = None
         self.last_model_path = ""
-        self._records: list[dict[str, Any]] = []  # {"step", "score"} of kept saves
+        # {"step", "score"} of the complete checkpoints kept, oldest first, and of
+        # the one being written: only complete ones are ever pruned.
+        self._records: list[dict[str, Any]] = []
+        self._pending: dict[str, Any] | None = None
         self._known: set[int] = set()  # steps written by this callback, not yet deleted
         self._writer: CheckpointWriter | None = None
         self._last_save_time = time.monotonic()
@@ -101,19 +110,17 @@ class ModelCheckpoint(Callback):
 
     # ----------------------------------------------------------------- hooks
     def on_fit_start(self, trainer: Trainer, module: JaxModule) -> None:
-        writer = self._open(trainer)
-        self._last_save_time = time.monotonic()
+        dirpath = self.resolve_dirpath(trainer)
         if self._pending_state is not None:
             self._adopt(self._pending_state)
             self._pending_state = None
-        if writer.steps() and not self._records:
-            warnings.warn(
-                f"checkpoint folder {self.dirpath} already holds checkpoints of another run; "
-                "those at steps this run saves will be replaced",
-                stacklevel=2,
-            )
+        self._protect_newer(dirpath, trainer.global_step)
+        self._open(trainer)
+        self._last_save_time = time.monotonic()
 
     def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
+        if self._writer is not None and self._pending is not None and not self._writer.saving:
+            self._commit()  # a failed save surfaces here, at the next step boundary
         n = self.every_n_train_steps
         due = n is not None and trainer.global_step % n == 0
         elapsed = time.monotonic() - self._last_save_time
@@ -134,7 +141,12 @@ class ModelCheckpoint(Callback):
         self.finish(prune=True)
 
     def teardown(self, trainer: Trainer, module: JaxModule) -> None:
-        self.finish(prune=True)  # after waiting, every kept checkpoint is complete
+        # fit is failing already: a failed pending save is reported as a warning,
+        # and only complete checkpoints take part in pruning.
+        try:
+            self.finish(prune=True)
+        except CheckpointError as exc:
+            warnings.warn(str(exc), stacklevel=2)
 
     # ------------------------------------------------------------- saving
     def _open(self, trainer: Trainer) -> CheckpointWriter:
@@ -144,7 +156,29 @@ class ModelCheckpoint(Callback):
             )
         return self._writer
 
+    def _protect_newer(self, dirpath: str, start: int) -> None:
+        """Moves checkpoints of steps after ``start`` (this run's first step) out of
+        the way: this run would write its own at those steps, and they belong to
+        another run or to the future of an older checkpoint we resume from."""
+        newer = [int(os.path.basename(p)) for p in complete_checkpoints(dirpath)]
+        newer = [s for s in newer if s > start]
+        if newer and distributed.is_rank_zero():
+            dest = move_aside(dirpath, newer)
+            warnings.warn(
+                f"ModelCheckpoint: {dirpath} held checkpoints at steps {newer}, after this "
+                f"run's start at step {start} (another run's, or later ones of the "
+                f"checkpoint resumed from). Moved them to {dest} so that this run cannot "
+                "overwrite them; ckpt_path='last' now means this run's newest",
+                stacklevel=3,
+            )
+        if newer:
+            distributed.broadcast(np.int32(0))  # the others wait until they are moved
+        self._records = [r for r in self._records if r["step"] <= start]
+        self._update_best()
+
     def _latest_step(self) -> int | None:
+        if self._pending is not None:
+            return self._pending["step"]
         return self._records[-1]["step"] if self._records else None
 
     def _score(self, trainer: Trainer) -> float | None:
@@ -161,77 +195,122 @@ class ModelCheckpoint(Callback):
             )
         return value
 
-    def save(self, trainer: Trainer, module: JaxModule) -> str:
-        """Saves a checkpoint of the run now (once per step) and returns its folder."""
+    def save(self, trainer: Trainer, module: JaxModule, *, resume_point: bool = False) -> str:
+        """Saves a checkpoint of the run now (once per step) and returns its folder.
+
+        Returns ``""`` when the policy would not keep it (not among the top k
+        and ``save_last=False``). With ``resume_point`` it is saved and kept
+        whatever the policy, until a later checkpoint is complete: the run is
+        stopping and will resume from it.
+        """
         step = trainer.global_step
         if self._latest_step() == step:
             return self._path(step)
         writer = self._open(trainer)
-        previous = self._latest_step()
-        self._records.append({"step": step, "score": self._score(trainer)})
-        self._known.add(step)
+        self._commit()  # the previous save first: its failure must not go unseen
+        record: dict[str, Any] = {"step": step, "score": self._score(trainer)}
+        if resume_point:
+            record["resume_point"] = True
+        elif not self._keeps(record):
+            return ""
+        self._pending = record  # the checkpoint's own records count it as done
         self._update_best()
         try:
             tree, meta = trainer.checkpoint_payload(module)
+            if step in writer.steps():  # a folder left by another run: keep it aside
+                move_aside(writer.dirpath, [step])
+            path = writer.save(step, tree, meta)
         except BaseException:
-            self._records.pop()
+            self._pending = None
             self._update_best()
             raise
-        if step in writer.steps():  # left by another run, or a run resumed earlier
-            writer.wait()
-            writer.delete(step)
-        path = writer.save(step, tree, meta)
+        self._known.add(step)
         self.last_model_path = path
         self._last_save_time = time.monotonic()
-        # The writer finished the previous save before starting this one; keep it
-        # until this one is complete too.
-        self._prune(keep_also={previous} if previous is not None else set())
         return path
 
-    def _ranked(self) -> list[dict[str, Any]]:
-        if self.monitor is None:
-            return sorted(self._records, key=lambda r: -r["step"])
-        scored = [r for r in self._records if r["score"] is not None]
-        sign = -1.0 if self.mode == "max" else 1.0
-        return sorted(scored, key=lambda r: (sign * r["score"], r["step"]))
+    def _commit(self) -> None:
+        """Waits for the pending save; once it is complete, it joins the kept
+        checkpoints and those the policy no longer keeps are deleted. A failed
+        save raises `CheckpointError` and deletes nothing."""
+        if self._pending is None or self._writer is None:
+            return
+        record, self._pending = self._pending, None
+        try:
+            self._writer.wait()
+        except CheckpointError as exc:
+            self._update_best()
+            self.last_model_path = self._path(self._records[-1]["step"]) if self._records else ""
+            kept = self.last_model_path or "none"
+            raise CheckpointError(f"{exc}. The last complete checkpoint is {kept}") from exc
+        self._records.append(record)
+        self._prune()
 
-    def _top_k(self) -> list[dict[str, Any]]:
-        ranked = self._ranked()
+    def _rank_key(self, record: dict[str, Any]) -> tuple[bool, float, int]:
+        score = record["score"]
+        sign = -1.0 if self.mode == "max" else 1.0
+        return (math.isnan(score), sign * score if not math.isnan(score) else 0.0, record["step"])
+
+    def _ranked(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Best first: by score (NaN worst in either mode), else most recent first."""
+        if self.monitor is None:
+            return sorted(records, key=lambda r: -r["step"])
+        scored = [r for r in records if r["score"] is not None]
+        return sorted(scored, key=self._rank_key)
+
+    def _top_k(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        ranked = self._ranked(records)
         return ranked if self.save_top_k == -1 else ranked[: self.save_top_k]
 
+    def _keeps(self, record: dict[str, Any]) -> bool:
+        """Whether the policy would keep a checkpoint ``record`` saved now."""
+        return self.save_last or record in self._top_k([*self._records, record])
+
     def _update_best(self) -> None:
-        top = self._top_k()
+        records = self._records + ([self._pending] if self._pending else [])
+        top = self._top_k(records)
         self.best_model_path = self._path(top[0]["step"]) if top else ""
         self.best_model_score = top[0]["score"] if top else None
 
-    def _prune(self, keep_also: set[int]) -> None:
-        keep = {r["step"] for r in self._top_k()} | keep_also
-        if self.save_last and self._records:
-            keep.add(self._records[-1]["step"])
+    def _prune(self) -> None:
+        """Deletes the complete checkpoints the policy no longer keeps (only ones
+        this callback wrote: a shared folder may hold others)."""
+        keep = {r["step"] for r in self._top_k(self._records)}
+        latest = self._records[-1] if self._records else None
+        if latest is not None and (self.save_last or latest.get("resume_point")):
+            keep.add(latest["step"])
+        dropped = [r["step"] for r in self._records if r["step"] not in keep]
         self._records = [r for r in self._records if r["step"] in keep]
+        self._update_best()
         if self._writer is None:
             return
-        for step in self._writer.steps():
-            # Only folders this callback wrote: a shared folder may hold others.
-            if step not in keep and step in self._known:
+        on_disk = set(self._writer.steps())
+        for step in dropped:
+            if step in on_disk and step in self._known:
                 self._writer.delete(step)
                 self._known.discard(step)
 
     def finish(self, *, prune: bool) -> None:
-        """Waits for pending writes; with ``prune``, keeps only what the policy keeps."""
+        """Waits for pending writes; with ``prune``, keeps only what the policy keeps.
+
+        Raises `CheckpointError` if the pending save failed (after closing).
+        """
         if self._writer is None:
             return
-        self._writer.wait()
-        if prune:
-            self._prune(keep_also=set())
-        self._writer.close()
-        self._writer = None
+        try:
+            self._commit()
+            if prune:
+                self._prune()
+        finally:
+            writer, self._writer = self._writer, None
+            writer.close()
 
     # -------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
+        records = self._records + ([self._pending] if self._pending else [])
         return {
             "dirpath": os.path.abspath(self.dirpath) if self.dirpath else None,
-            "records": list(self._records),
+            "records": records,
             "best_model_path": self.best_model_path,
             "best_model_score": self.best_model_score,
             "last_model_path": self.last_model_path,

@@ -55,9 +55,9 @@ class TQDMProgressBar(Callback):
         self._eval_bar: _SteadyTqdm | None = None
         self._shown: object = None
 
-    def _postfix(self, trainer: Trainer, bar: _SteadyTqdm) -> None:
+    def _postfix(self, trainer: Trainer, bar: _SteadyTqdm, *, new_bar: bool = False) -> None:
         metrics = trainer.callback_metrics
-        if metrics is not self._shown:
+        if new_bar or metrics is not self._shown:  # a new bar starts with no postfix
             self._shown = metrics
             bar.set_postfix({k: _fmt(v) for k, v in metrics.items()}, refresh=False)
 
@@ -69,7 +69,7 @@ class TQDMProgressBar(Callback):
             dynamic_ncols=True,
             miniters=self.refresh_rate,
         )
-        self._postfix(trainer, self._bar)
+        self._postfix(trainer, self._bar, new_bar=True)
 
     def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
         if self._bar is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Mapping
@@ -15,6 +16,10 @@ from jaxlightning import distributed
 from jaxlightning.loggers.base import Logger
 
 _VERSION_DIR = re.compile(r"version_(\d+)")
+# tensorboardX names event files by the second they were opened in; a file
+# opened again in the same second (fit, then validate) would overwrite the
+# first. This suffix makes every writer's file name unique.
+_WRITER_COUNT = itertools.count()
 
 
 def _next_version(root: str) -> int:
@@ -78,7 +83,8 @@ class TensorBoardLogger(Logger):
             return None
         if self._writer is None:
             os.makedirs(self.log_dir, exist_ok=True)
-            self._writer = SummaryWriter(logdir=self.log_dir)
+            suffix = f".{os.getpid()}.{next(_WRITER_COUNT):05d}"
+            self._writer = SummaryWriter(logdir=self.log_dir, filename_suffix=suffix)
         return self._writer
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
@@ -100,8 +106,9 @@ class TensorBoardLogger(Logger):
 
     def finalize(self) -> None:
         # tensorboardX queues events for a writer thread that flush() does not
-        # wait for; close() drains it. A later call opens a new event file in
-        # the same run directory, which TensorBoard reads as one run.
+        # wait for; close() drains it. A later call opens a new event file (of
+        # another name) in the same run directory, which TensorBoard reads as
+        # one run.
         if self._writer is not None:
             self._writer.close()
             self._writer = None

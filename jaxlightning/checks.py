@@ -1,0 +1,107 @@
+"""Up-front checks of what the user hands the Trainer, with messages that name it.
+
+Each check runs on the host before anything is traced or compiled, so a bad
+argument, loader or optimizer fails at once with the argument's name instead of
+deep inside JAX (or, worse, after an epoch of training).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import optax
+
+
+def int_arg(name: str, value: Any, *, minimum: int, hint: str = "") -> int:
+    """``value`` when it is an int (not a bool) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r}: expected an int{hint}")
+    if value < minimum:
+        raise ValueError(f"{name}={value!r}: expected an int >= {minimum}{hint}")
+    return value
+
+
+def epoch_limit(max_epochs: Any, max_steps: Any) -> tuple[int | None, int]:
+    """``(max_epochs, max_steps)`` as the loop uses them, Lightning's rules applied.
+
+    ``max_epochs=-1`` means no epoch limit; with neither limit given, 1000 epochs.
+    Returns ``None`` for no epoch limit and ``-1`` for no step limit.
+    """
+    max_steps = int_arg("max_steps", max_steps, minimum=-1, hint=" (-1: no step limit)")
+    if max_epochs is None:
+        return (1000 if max_steps == -1 else None), max_steps
+    max_epochs = int_arg("max_epochs", max_epochs, minimum=-1, hint=" (-1: no epoch limit)")
+    return (None if max_epochs == -1 else max_epochs), max_steps
+
+
+def optimizer(module: Any) -> optax.GradientTransformation:
+    """The optax transformation ``module.configure_optimizers()`` returns."""
+    tx = module.configure_optimizers()
+    if isinstance(tx, optax.GradientTransformation):
+        return tx
+    as_transform = getattr(tx, "gradient_transformation", None)
+    if callable(as_transform):  # optax.MultiSteps and other wrappers
+        return as_transform()
+    hint = ""
+    if isinstance(tx, (tuple, list, dict)):
+        hint = " (several optimizers are not supported yet: chain or partition them with optax)"
+    raise TypeError(
+        f"configure_optimizers() returned {type(tx).__name__}; return an optax "
+        f"GradientTransformation such as optax.adam(1e-3){hint}"
+    )
+
+
+def reiterable(loader: Any, name: str, *, passes: str) -> None:
+    """Refuses a one-shot iterator (a generator, say) where it is read ``passes``."""
+    if isinstance(loader, Iterator):
+        raise TypeError(
+            f"{name} is a {type(loader).__name__}, which can be iterated only once, but "
+            f"the Trainer reads it {passes}. Pass something that can be iterated again: "
+            "a DataLoader, a list of batches, or an object whose __iter__ starts over"
+        )
+
+
+# Lightning hooks a ported module may still define, and what to do here instead.
+_LIGHTNING_ONLY = {
+    "training_step": "define loss(self, variables, batch, rngs) returning the loss",
+    "validation_step": "define eval_step(self, variables, batch) and self.log its metrics",
+    "test_step": "define eval_step(self, variables, batch) (used by validate and test)",
+    "forward": "call your flax module in loss/eval_step/predict_step",
+    "training_epoch_end": "use a Callback with on_train_epoch_end(trainer, module)",
+    "validation_epoch_end": "use a Callback with on_validation_end(trainer, module)",
+    "on_train_epoch_start": "use a Callback with on_train_epoch_start(trainer, module)",
+    "on_train_epoch_end": "use a Callback with on_train_epoch_end(trainer, module)",
+    "on_validation_epoch_end": "use a Callback with on_validation_end(trainer, module)",
+    "on_fit_start": "use a Callback with on_fit_start(trainer, module)",
+    "on_fit_end": "use a Callback with on_fit_end(trainer, module)",
+    "on_train_start": "use a Callback with on_fit_start(trainer, module)",
+    "on_train_end": "use a Callback with on_fit_end(trainer, module)",
+    "on_train_batch_end": "use a Callback with on_train_batch_end(trainer, module, batch_idx)",
+    "on_before_backward": "there is no backward pass to hook: transform gradients with optax",
+    "on_after_backward": "there is no backward pass to hook: transform gradients with optax",
+    "on_before_optimizer_step": "transform gradients with optax (e.g. optax.chain)",
+    "configure_gradient_clipping": "use optax.clip_by_global_norm in configure_optimizers",
+    "lr_scheduler_step": "pass an optax schedule as the optimizer's learning rate",
+    "prepare_data": "prepare data before calling fit",
+}
+
+
+_checked_classes: weakref.WeakSet[type] = weakref.WeakSet()
+
+
+def lightning_hooks(module: Any) -> None:
+    """Warns, once per class, for each Lightning hook the Trainer would not call."""
+    cls = type(module)
+    if cls in _checked_classes:
+        return
+    _checked_classes.add(cls)
+    for hook, instead in _LIGHTNING_ONLY.items():
+        if callable(getattr(cls, hook, None)):
+            warnings.warn(
+                f"{cls.__name__}.{hook}() is a PyTorch Lightning hook that jaxlightning "
+                f"does not call; {instead}",
+                stacklevel=4,
+            )
