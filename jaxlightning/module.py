@@ -130,8 +130,11 @@ class JaxModule:
         A boolean vector, one entry per row; ``False`` marks the padding rows the
         Trainer adds to fill the last, smaller batch to the fixed batch size
         (copies of the last real row). Losses and ``self.log`` values already
-        leave them out; use it where your own code computes over the batch,
-        e.g. ``nn.BatchNorm(...)(x, mask=self.batch_mask[:, None])``.
+        leave them out; use it where your own code reduces over the batch
+        (a contrastive loss, say). Note that flax's ``nn.BatchNorm(mask=...)``
+        averages per-device masked means, which is not the global masked mean
+        when devices hold different numbers of real rows (and is NaN on a
+        device holding none).
         """
         if self._mask is None:
             raise RuntimeError(

@@ -55,9 +55,9 @@ class TQDMProgressBar(Callback):
         self._eval_bar: _SteadyTqdm | None = None
         self._shown: object = None
 
-    def _postfix(self, trainer: Trainer, bar: _SteadyTqdm, *, new_bar: bool = False) -> None:
+    def _postfix(self, trainer: Trainer, bar: _SteadyTqdm) -> None:
         metrics = trainer.callback_metrics
-        if new_bar or metrics is not self._shown:  # a new bar starts with no postfix
+        if metrics is not self._shown:
             self._shown = metrics
             bar.set_postfix({k: _fmt(v) for k, v in metrics.items()}, refresh=False)
 
@@ -68,8 +68,11 @@ class TQDMProgressBar(Callback):
             unit="step",
             dynamic_ncols=True,
             miniters=self.refresh_rate,
+            # A new bar shows the latest values from its first frame, not only
+            # from the next fetch on.
+            postfix={k: _fmt(v) for k, v in trainer.callback_metrics.items()},
         )
-        self._postfix(trainer, self._bar, new_bar=True)
+        self._shown = trainer.callback_metrics
 
     def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
         if self._bar is not None:
