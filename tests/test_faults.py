@@ -160,9 +160,12 @@ def test_logged_names_that_change_between_traces_are_named():
 
     x, y = digits(24)
     batches = [(x[:8], y[:8]), (x[8:24], y[8:24])]  # the second is larger: traced again
-    with pytest.raises(ValueError, match=r"loss\(\) logged \['acc', 'loss'\] in this trace but"):
-        with pytest.warns(UserWarning, match="larger than the fixed batch size"):
-            quiet_trainer(max_epochs=1).fit(Shifty(), batches)
+    changed = r"loss\(\) logged \['acc', 'loss'\] in this trace but"
+    with (
+        pytest.raises(ValueError, match=changed),
+        pytest.warns(UserWarning, match="larger than the fixed batch size"),
+    ):
+        quiet_trainer(max_epochs=1).fit(Shifty(), batches)
 
 
 def test_setup_with_host_only_code_names_the_hook():
