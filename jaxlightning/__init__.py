@@ -13,6 +13,7 @@ from jaxlightning.loggers import TensorBoardLogger as TensorBoardLogger
 from jaxlightning.module import AttributeDict as AttributeDict
 from jaxlightning.module import JaxModule as JaxModule
 from jaxlightning.state import TrainState as TrainState
+from jaxlightning.step import AXIS as AXIS
 from jaxlightning.strategies import PmapStrategy as PmapStrategy
 from jaxlightning.strategies import ShardMapStrategy as ShardMapStrategy
 from jaxlightning.strategies import Strategy as Strategy

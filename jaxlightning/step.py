@@ -26,6 +26,9 @@ from jaxlightning.module import JaxModule
 from jaxlightning.state import TrainState
 
 AXIS = "batch"
+"""The device axis the step functions run over (exported as ``jl.AXIS``): name it in
+collectives of your own, e.g. ``nn.BatchNorm(axis_name=jl.AXIS)`` for BatchNorm
+statistics over the global batch, or ``jax.lax.pmean(x, jl.AXIS)``."""
 Metrics = dict[str, clu_metrics.Average]
 
 

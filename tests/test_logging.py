@@ -1,6 +1,8 @@
 """TensorBoard output, read back with TensorBoard's own reader; callbacks; the bar."""
 
+import glob
 import os
+from collections import Counter
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -124,3 +126,58 @@ def test_tensorboard_logger_resumes_only_its_own_run_directories(tmp_path):
     fixed = TensorBoardLogger(str(tmp_path), version=7)
     fixed.resume_in(str(tmp_path / "lightning_logs" / "version_3"))  # a chosen version wins
     assert fixed.version == 7
+
+
+def _points_per_file(run_dir):
+    """Scalar points by tag, counted in every event file read on its own."""
+    points = Counter()
+    files = sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*")))
+    for path in files:
+        events = EventAccumulator(path)
+        events.Reload()
+        for tag in events.Tags()["scalars"]:
+            points[tag] += len(events.Scalars(tag))
+    return points, len(files)
+
+
+def test_fit_validate_and_test_in_quick_succession_lose_no_values(tmp_path):
+    x, y = digits(96)  # 3 steps per epoch
+    trainer = jl.Trainer(
+        max_epochs=2, log_every_n_steps=1, default_root_dir=tmp_path, enable_progress_bar=False
+    )
+    model = LitMLP(hidden=8)
+    val = loader(*digits(32, 1000), 16)
+    trainer.fit(model, loader(x, y, 32), val)
+    trainer.validate(model, val)
+    trainer.test(model, val)
+    points, files = _points_per_file(trainer.log_dir)
+    assert files == 3  # one writer per stage, none overwritten in the same second
+    assert points["train/loss"] == 6 and points["val/acc"] == 3 and points["test/acc"] == 1
+
+
+def test_validate_called_by_a_callback_mid_fit_loses_no_train_values(tmp_path):
+    class ValidateEveryStep(jl.Callback):
+        def on_train_batch_end(self, trainer, module, batch_idx):
+            trainer.validate(module, val)
+
+    val = loader(*digits(16, 1000), 16)
+    trainer = jl.Trainer(
+        max_steps=30,
+        log_every_n_steps=1,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        callbacks=[ValidateEveryStep()],
+    )
+    trainer.fit(LitMLP(hidden=8), loader(*digits(240), 8))
+    points, _ = _points_per_file(trainer.log_dir)
+    assert points["train/loss"] == 30 and points["val/acc"] == 30
+    steps = sorted(e.step for e in _reload(trainer.log_dir).Scalars("train/loss"))
+    assert steps == list(range(1, 31))
+
+
+def _reload(run_dir):
+    events = EventAccumulator(run_dir)
+    events.Reload()
+    return events
