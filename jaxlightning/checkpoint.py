@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 import zlib
 from collections.abc import Mapping
@@ -63,6 +64,21 @@ def checksums(state_dict: Any) -> dict[str, int]:
     }
 
 
+def _check_writable(dirpath: str) -> None:
+    """Fails now, clearly, for a folder no checkpoint can be written to: orbax's
+    save threads would otherwise wait minutes for a folder that never appears."""
+    try:
+        os.makedirs(dirpath, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".jl-write-probe-", dir=dirpath)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot write checkpoints to {dirpath}: {exc}. Make it writable or choose "
+            "another folder: ModelCheckpoint(dirpath=...) or Trainer(default_root_dir=...)"
+        ) from exc
+
+
 class CheckpointWriter:
     """Writes checkpoints into one folder, asynchronously by default.
 
@@ -74,6 +90,7 @@ class CheckpointWriter:
 
     def __init__(self, dirpath: str, *, async_save: bool = True) -> None:
         self.dirpath = os.path.abspath(dirpath)
+        _check_writable(self.dirpath)
         self._manager = ocp.CheckpointManager(
             self.dirpath,
             options=ocp.CheckpointManagerOptions(

@@ -2,6 +2,7 @@
 
     python -m tests.run_training --root DIR --max-steps N [--ckpt-path last]
         [--devices 8] [--out params.npz] [--slow-after K] [--kill-during-save-at K]
+        [--every-n-train-steps K] [--dirpath DIR]
 
 Trains the dropout MLP on a shuffled digits DataLoader, validating each epoch,
 and writes the final train state to ``--out``.
@@ -22,6 +23,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--dropout", type=float, default=0.3)
     p.add_argument("--every-n-train-steps", type=int)
+    p.add_argument("--dirpath", help="ModelCheckpoint's folder")
     p.add_argument("--slow-after", type=int, help="sleep after each step from this step on")
     p.add_argument("--kill-during-save-at", type=int)
     args = p.parse_args()
@@ -49,7 +51,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     x, y = digits(200)  # 7 batches of 32 per epoch, the last of 8 rows
-    checkpoint = jl.ModelCheckpoint(every_n_train_steps=args.every_n_train_steps)
+    checkpoint = jl.ModelCheckpoint(args.dirpath, every_n_train_steps=args.every_n_train_steps)
     trainer = jl.Trainer(
         max_steps=args.max_steps,
         devices=args.devices,

@@ -62,12 +62,20 @@ def reference(tmp_path_factory):
     return arrays(root / "final.npz"), scalars(root / "lightning_logs" / "version_0")
 
 
-@pytest.mark.parametrize("stop_at", [14, 10], ids=["epoch-boundary", "mid-epoch"])
-def test_resume_in_new_process_is_bit_exact(tmp_path, reference, stop_at):
+@pytest.mark.parametrize(
+    ("stop_at", "every", "progress"),
+    [(14, None, (2, 0)), (10, None, (1, 3)), (7, 7, (0, 7)), (8, 8, (1, 1))],
+    ids=["epoch-boundary", "mid-epoch", "last-batch", "first-batch"],
+)
+def test_resume_in_new_process_is_bit_exact(tmp_path, reference, stop_at, every, progress):
+    # A checkpoint taken at an epoch's last batch (before that epoch's
+    # validation) once failed to resume: that epoch has no batch left.
     ref_arrays, ref_scalars = reference
-    train(tmp_path, stop_at)
+    extra = ["--every-n-train-steps", every] if every else []
+    train(tmp_path, stop_at, *extra)
     meta = read_meta(complete_checkpoints(tmp_path / "lightning_logs/version_0/checkpoints")[-1])
-    assert meta["progress"] == {"epoch": stop_at // 7, "batch": stop_at % 7, "global_step": stop_at}
+    epoch, batch = progress
+    assert meta["progress"] == {"epoch": epoch, "batch": batch, "global_step": stop_at}
     train(tmp_path, 22, "--ckpt-path", "last", "--out", tmp_path / "final.npz")
     assert_bitwise_equal(arrays(tmp_path / "final.npz"), ref_arrays)
 
