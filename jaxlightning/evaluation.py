@@ -34,8 +34,13 @@ def host_values(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:
 
 
 def shard_shapes(tree: Any, rows: int) -> Any:
-    """Abstract shapes of one device's shard of a host batch."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), tree)
+    """Abstract shapes of one device's shard of a host batch, in the dtypes JAX
+    will give it (int64 labels become int32 unless x64 is enabled)."""
+
+    def shard(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((rows, *x.shape[1:]), jax.dtypes.canonicalize_dtype(x.dtype))
+
+    return jax.tree.map(shard, tree)
 
 
 class EvaluationMixin:

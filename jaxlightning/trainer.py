@@ -378,10 +378,12 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         if val_dataloaders is not None:
             self._check_module(module, "eval_step")
         tx = checks.optimizer(module)
-        passes = "once per epoch" if self.max_epochs != 1 else "once per fit"
-        checks.reiterable(train_dataloaders, "train_dataloaders", passes=passes)
+        if self.max_epochs != 1:
+            checks.reiterable(train_dataloaders, "train_dataloaders", passes="once per epoch")
         for loader in _as_list(val_dataloaders):
-            checks.reiterable(loader, "val_dataloaders", passes="at every validation")
+            checks.reiterable(
+                loader, "val_dataloaders", passes="in the sanity check and at every validation"
+            )
 
         resume = self._resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
         meta = read_meta(resume) if resume else None
