@@ -1,10 +1,14 @@
 """The documentation builds with mkdocs in strict mode (no broken links or nav)."""
 
+import ast
+import importlib.metadata
 import re
 import subprocess
 import sys
 import types
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,3 +41,28 @@ def test_readme_example_runs_and_index_example_uses_only_defined_names(tmp_path,
     assert namespace["trainer"].callback_metrics["val/acc"] > 0.5
     exec(compile(index, "docs/index.md", "exec"), namespace)
     assert "test/acc" in namespace["trainer"].callback_metrics
+
+
+def test_every_third_party_import_of_the_package_is_a_declared_dependency():
+    # orbax-checkpoint was once imported but not declared.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    declared = set()
+    for requirement in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "dependencies"
+    ]:
+        declared.add(re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower())
+    providers = importlib.metadata.packages_distributions()
+    imported = set()
+    for path in (ROOT / "jaxlightning").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    third_party = {m for m in imported if m not in sys.stdlib_module_names | {"jaxlightning"}}
+    missing = {
+        m: providers.get(m)
+        for m in third_party
+        if not {d.lower() for d in providers.get(m, [m])} & declared
+    }
+    assert "orbax" in third_party and not missing, missing
