@@ -20,6 +20,13 @@ _log = logging.getLogger(__name__)
 _REJECTED_OPTION = re.compile(r"No such compile option: '([^']+)'")
 # XLA options the backend rejected once in this process: not offered again.
 _rejected: set[str] = set()
+_rejected_attempts = 0
+
+
+def rejected_attempts() -> int:
+    """How many compiles in this process the backend refused for an unknown
+    option (each retried without it); JAX's compile events count them too."""
+    return _rejected_attempts
 
 
 def in_background(fn: Callable[[], Any]) -> Future[Any]:
@@ -56,6 +63,7 @@ def compile_with_options(lowered: Any, options: Mapping[str, Any]) -> Any:
     the backend rejects is dropped, logged once at debug level, and never
     offered again in this process; the program then compiles without it.
     """
+    global _rejected_attempts
     wanted = {k: v for k, v in options.items() if k not in _rejected}
     while True:
         try:
@@ -64,6 +72,7 @@ def compile_with_options(lowered: Any, options: Mapping[str, Any]) -> Any:
             names = set(_REJECTED_OPTION.findall(str(exc))) & set(wanted)
             if not names:
                 raise
+            _rejected_attempts += 1
             _rejected.update(names)
             _log.debug("XLA rejected compile option(s) %s; compiling without them", names)
             wanted = {k: v for k, v in wanted.items() if k not in names}

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import jaxlightning as jl
+from jaxlightning import compiling
 from jaxlightning import trainer as trainer_module
 from tests.helpers import (
     LitMLP,
@@ -86,9 +87,12 @@ def test_rejected_xla_option_is_dropped_and_init_is_unchanged(monkeypatch, caplo
     monkeypatch.setattr(trainer_module, "_RUN_ONCE_CPU_OPTIONS", options)
     x, y = digits(64)
     module = LitMLP()
+    attempts = compiling.rejected_attempts()
     with caplog.at_level(logging.DEBUG, logger="jaxlightning.compiling"):
         quiet_trainer(max_steps=0, seed=3).fit(module, loader(x, y, 64))
+        quiet_trainer(max_steps=0, seed=3).fit(LitMLP(), loader(x, y, 64))
     assert rejected in caplog.text
+    assert compiling.rejected_attempts() == attempts + 1  # not offered again
     init_rng = jax.random.split(jax.random.PRNGKey(3))[0]
     expected = jax.jit(module.setup)(init_rng, (x[:8], y[:8]))
     assert max_abs_diff(module.variables, expected) == 0.0
