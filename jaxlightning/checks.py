@@ -7,6 +7,7 @@ deep inside JAX (or, worse, after an epoch of training).
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -67,8 +68,6 @@ def reiterable(loader: Any, name: str, *, passes: str) -> None:
 # Lightning hooks a ported module may still define, and what to do here instead.
 _LIGHTNING_ONLY = {
     "training_step": "define loss(self, variables, batch, rngs) returning the loss",
-    "validation_step": "define eval_step(self, variables, batch) and self.log its metrics",
-    "test_step": "define eval_step(self, variables, batch) (used by validate and test)",
     "forward": "call your flax module in loss/eval_step/predict_step",
     "training_epoch_end": "use a Callback with on_train_epoch_end(trainer, module)",
     "validation_epoch_end": "use a Callback with on_validation_end(trainer, module)",
@@ -90,6 +89,31 @@ _LIGHTNING_ONLY = {
 
 
 _checked_classes: weakref.WeakSet[type] = weakref.WeakSet()
+
+
+def lightning_signatures(module: Any, hooks: tuple[str, ...]) -> None:
+    """Refuses traced hooks still written with Lightning's ``(batch, batch_idx)``."""
+    for hook in hooks:
+        method = getattr(type(module), hook, None)
+        if method is None or hook not in _TRACED_SIGNATURES:
+            continue
+        params = [p for p in inspect.signature(method).parameters if p != "self"]
+        if params[:1] == ["batch"]:
+            raise TypeError(
+                f"{type(module).__name__}.{hook}({', '.join(params)}) has PyTorch "
+                f"Lightning's signature; here it is {hook}({_TRACED_SIGNATURES[hook]}): it "
+                "receives the flax variables and one device's shard of the batch, and is "
+                "traced once (no batch_idx)"
+            )
+
+
+_TRACED_SIGNATURES = {
+    "loss": "self, variables, batch, rngs",
+    "eval_step": "self, variables, batch",
+    "validation_step": "self, variables, batch",
+    "test_step": "self, variables, batch",
+    "predict_step": "self, variables, batch",
+}
 
 
 def lightning_hooks(module: Any) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -11,7 +10,9 @@ import numpy as np
 
 from jaxlightning.checkpoint import restore_variables
 from jaxlightning.data import Batches, DeviceBatch
+from jaxlightning.metrics import LogOptions
 from jaxlightning.module import JaxModule
+from jaxlightning.reporting import Report, report
 from jaxlightning.sampling import (
     BatchSlice,
     EpochSampler,
@@ -24,13 +25,11 @@ from jaxlightning.step import Metrics, build_eval_step, build_predict_step, zero
 _STAGE_PREFIX = {"validation": "val", "test": "test"}
 
 
-def host_values(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:
-    """Host metric values from fetched clu averages; empty averages are left out."""
-    return {
-        f"{prefix}/{name}": float(m.total / m.count)
-        for name, m in metrics.items()
-        if int(m.count) > 0
-    }
+def eval_hook(module: JaxModule, stage: str) -> str:
+    """The traced hook evaluating ``stage``: ``validation_step`` or ``test_step``
+    where the module defines it, else ``eval_step``."""
+    specific = {"validation": "validation_step", "test": "test_step"}[stage]
+    return specific if type(module)._overrides(specific) else "eval_step"
 
 
 def shard_shapes(tree: Any, rows: int) -> Any:
@@ -76,30 +75,34 @@ class EvaluationMixin:
         ckpt_path: Any = None,
         *,
         limit: int | None = None,
-        report: bool = True,
+        publish: bool = True,
     ) -> list[dict[str, float]]:
         """Evaluates every loader; returns their ``val/...`` (or ``test/...``) values.
 
-        With ``report``, calls the stage's callback hooks and logs the values,
-        which are in ``callback_metrics`` before ``on_<stage>_end`` runs.
-        Without it (the sanity check), only runs the batches (at most ``limit``
-        per loader) and returns nothing.
+        With ``publish``, calls the stage's callback hooks and hands the values
+        out (`_publish`), so they are in ``callback_metrics`` before
+        ``on_<stage>_end`` runs. Without it (the sanity check), only runs the
+        batches (at most ``limit`` per loader) and returns nothing.
         """
         loaders = list(dataloaders) if isinstance(dataloaders, (list, tuple)) else [dataloaders]
         counts = [self._num_batches_plain(loader) for loader in loaders]
         self.num_eval_batches = None if None in counts else sum(counts)  # type: ignore[arg-type]
-        if report:
+        if publish:
             self._call(f"on_{stage}_start", module)
         prefix = _STAGE_PREFIX[stage]
-        results = []
+        results, everything = [], Report()
         for i, loader in enumerate(loaders):
             suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""
             checkpoint = ckpt_path if i == 0 else None
-            metrics = self._evaluate_loader(stage, module, loader, checkpoint, limit, report)
-            results.append({k + suffix: v for k, v in host_values(metrics, prefix).items()})
-        if not report:
+            metrics, options = self._evaluate_loader(
+                stage, module, loader, checkpoint, limit, publish
+            )
+            values = report(prefix, options, metrics, "epoch", suffix)
+            results.append(values.values)
+            everything.update(values)
+        if not publish:
             return []
-        self._log({k: v for r in results for k, v in r.items()})
+        self._publish(everything)
         self._call(f"on_{stage}_end", module)
         return results
 
@@ -110,31 +113,33 @@ class EvaluationMixin:
         loader: Any,
         ckpt_path: Any,
         limit: int | None,
-        report: bool,
-    ) -> Metrics:
+        publish: bool,
+    ) -> tuple[Metrics, dict[str, LogOptions]]:
+        hook = eval_hook(module, stage)
         with self._eval_batches(loader, f"the {stage} dataloader", limit) as batches:
             first = batches.first
             variables = self._eval_variables(module, first, ckpt_path)
             rows = first.host.mask.shape[0] // self.strategy.num_local_devices
             example = shard_shapes(first.host.data, rows)
-            key = ("eval", module, jax.tree.structure(example), tuple(jax.tree.leaves(example)))
+            shapes = (jax.tree.structure(example), tuple(jax.tree.leaves(example)))
+            key = ("eval", hook, module, shapes)
             if key not in self._eval_fns:
                 compiled = self.strategy.compile(
-                    build_eval_step(module),
+                    build_eval_step(module, hook),
                     sharded_args=(False, False, True, True),
                     sharded_out=False,
                 )
                 local = jax.eval_shape(self.strategy.unreplicate, variables)
-                zeros = zero_eval_metrics(module, local, example)
-                self._eval_fns[key] = (compiled, self.strategy.replicate(zeros))
-            eval_step, acc = self._eval_fns[key]
+                zeros, options = zero_eval_metrics(module, hook, local, example)
+                self._eval_fns[key] = (compiled, self.strategy.replicate(zeros), options)
+            eval_step, acc, options = self._eval_fns[key]
             for batch_idx, batch in enumerate(batches):
                 acc = eval_step(variables, acc, batch.data, batch.mask)
                 self._throttle(acc)
-                if report:
+                if publish:
                     self._call(f"on_{stage}_batch_end", module, batch_idx)
             self._drain()
-        return self._fetch(acc)
+        return self._fetch(acc), options
 
     def _eval_batches(self, loader: Any, name: str, limit: int | None = None) -> Batches:
         """An evaluation loader's batches (at most ``limit``): in a multi-process
@@ -183,7 +188,7 @@ class EvaluationMixin:
     def _run_eval_stage(
         self, stage: str, module: JaxModule, dataloaders: Any, ckpt_path: Any
     ) -> list[dict[str, float]]:
-        self._check_module(module, "eval_step")
+        self._check_module(module, eval_hook(module, stage))
         _ = self.log_dir  # fixes the run directory on every process at once
         try:
             with self._host_threads():

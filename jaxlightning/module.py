@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 import optax
+
+from jaxlightning.metrics import REDUCTIONS, LogOptions
 
 
 def _is_numeric(value: Any) -> bool:
@@ -21,6 +23,10 @@ def _is_numeric(value: Any) -> bool:
     if dtype is None or not hasattr(value, "shape"):
         return False
     return bool(jax.numpy.issubdtype(dtype, jax.numpy.number)) or np.dtype(dtype) == np.bool_
+
+
+# Hooks whose logged values are training values (per step by default).
+_TRAINING_HOOKS = ("loss",)
 
 
 class AttributeDict(dict):
@@ -118,6 +124,16 @@ class JaxModule:
         """Traced, one device's shard: log evaluation metrics with `log`."""
         raise NotImplementedError
 
+    def validation_step(self, variables: dict[str, Any], batch: Any) -> None:
+        """Optional; traced, one device's shard: `validate` (and validation during
+        `fit`) runs it instead of `eval_step` where it is defined."""
+        raise NotImplementedError
+
+    def test_step(self, variables: dict[str, Any], batch: Any) -> None:
+        """Optional; traced, one device's shard: `test` runs it instead of `eval_step`
+        where it is defined."""
+        raise NotImplementedError
+
     def predict_step(self, variables: dict[str, Any], batch: Any) -> Any:
         """Traced, one device's shard: returns per-example outputs (a pytree)."""
         raise NotImplementedError
@@ -143,15 +159,44 @@ class JaxModule:
             )
         return self._mask
 
-    def log(self, name: str, value: Any) -> None:
-        """Records a metric from inside `loss` or `eval_step`.
+    def log(
+        self,
+        name: str,
+        value: Any,
+        *,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        prog_bar: bool = False,
+        logger: bool = True,
+        reduce_fx: str = "mean",
+        sync_dist: bool = False,
+        batch_size: int | None = None,
+        rank_zero_only: bool = False,
+    ) -> None:
+        """Records a metric from a traced hook (`loss`, `eval_step`, ...).
 
         ``value`` is a scalar or a per-example vector (booleans count as 0/1).
-        Per-example values are averaged exactly over the real examples of every
-        batch since the metric was last reported; a scalar counts once per real
-        example of the device's shard. The Trainer prefixes the stage:
-        ``train/<name>``, ``val/<name>`` or ``test/<name>``.
+        It is reduced with ``reduce_fx`` (``"mean"``, ``"sum"``, ``"max"``,
+        ``"min"``) exactly over the real examples of every device: padded rows
+        never count, a per-example vector counts each real row, a scalar counts
+        once per real row of the device's shard (so a shard mean averages
+        exactly). Values are always reduced across devices and weighted by real
+        rows, so ``sync_dist`` and ``batch_size`` are accepted for Lightning
+        code and change nothing; ``rank_zero_only`` neither (only process 0
+        writes logs).
+
+        As in Lightning, values from `loss` default to ``on_step=True,
+        on_epoch=False`` (reported every ``log_every_n_steps``, and for the
+        last, partial interval of each epoch), values from evaluation hooks to
+        ``on_epoch=True`` (reduced over the whole run). ``on_epoch=True`` in
+        `loss` reports the reduction over the epoch at its end; with both,
+        the names get ``_step`` and ``_epoch`` suffixes. The Trainer prefixes
+        the stage (``train/acc``, ``val/acc``, ``test/acc``) unless the name
+        already carries it (``val_loss``, ``val/acc`` are kept as written).
+        ``prog_bar`` shows it in the progress bar; ``logger=False`` keeps it
+        out of the loggers (``trainer.callback_metrics`` always has it).
         """
+        del sync_dist, batch_size, rank_zero_only  # always exact; see above
         if self._log_sink is None:
             raise RuntimeError(
                 f"self.log({name!r}, ...) was called outside a traced hook; call it "
@@ -167,12 +212,50 @@ class JaxModule:
                 "logged by the Trainer. Return that value, or log yours under another name"
             )
         if not _is_numeric(value):
-            hint = " (log each entry: self.log(name, v) per key)" if isinstance(value, dict) else ""
+            hint = " (use self.log_dict for a dict)" if isinstance(value, dict) else ""
             raise TypeError(
                 f"self.log({name!r}, ...) in {self._hook}() got a {type(value).__name__}; "
                 f"log a number, a scalar array or a per-example array{hint}"
             )
-        self._log_sink[name] = value
+        options = self._log_options(name, on_step, on_epoch, prog_bar, logger, reduce_fx)
+        self._log_sink[name] = (value, options)
+
+    def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
+        """`log` for each ``name: value`` of ``dictionary``, with the same keywords."""
+        if not isinstance(dictionary, Mapping):
+            raise TypeError(f"self.log_dict needs a dict, got {type(dictionary).__name__}")
+        for name, value in dictionary.items():
+            self.log(name, value, **kwargs)
+
+    def _log_options(
+        self,
+        name: str,
+        on_step: bool | None,
+        on_epoch: bool | None,
+        prog_bar: bool,
+        logger: bool,
+        reduce_fx: str,
+    ) -> LogOptions:
+        if reduce_fx not in REDUCTIONS:
+            raise ValueError(
+                f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}): use one of {REDUCTIONS}"
+            )
+        training = self._hook in _TRAINING_HOOKS
+        on_step = training if on_step is None else bool(on_step)
+        on_epoch = (not training) if on_epoch is None else bool(on_epoch)
+        if not training and on_step:
+            raise ValueError(
+                f"self.log({name!r}, ..., on_step=True) in {self._hook}(): evaluation "
+                "values are reduced over the whole run, exactly across devices; per-batch "
+                "values would need a device-to-host copy per batch. Use on_epoch=True "
+                "(the default here)"
+            )
+        if not (on_step or on_epoch):
+            raise ValueError(
+                f"self.log({name!r}, ..., on_step=False, on_epoch=False) would report "
+                "nothing; set one of them"
+            )
+        return LogOptions(on_step, on_epoch, bool(prog_bar), bool(logger), reduce_fx)
 
     @contextlib.contextmanager
     def _collect_logs(

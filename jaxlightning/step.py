@@ -2,12 +2,15 @@
 
 Each builder returns a function of *one device's shard* that runs inside the
 strategy's SPMD context (`jax.pmap` or `jax.shard_map`) over the axis `AXIS`.
-Everything that crosses devices goes through one `psum` per step. No I/O and no
-reference to the Trainer: the functions close over the module and optimizer only.
+Everything that crosses devices goes through one `psum` per step (plus a
+`pmax`/`pmin` when a value is logged with ``reduce_fx="max"``/``"min"``). No I/O
+and no reference to the Trainer: the functions close over the module and
+optimizer only.
 
-Metrics are `clu.metrics.Average` values (masked total and count) keyed by name;
-a step adds its batch's metrics into the accumulator it is given, so averages
-over many steps stay exact and are fetched to the host only when reported.
+Logged values are `clu.metrics` states keyed by name (see `jaxlightning.metrics`);
+a step merges its batch's states into the accumulator it is given, so
+reductions over many steps stay exact and are fetched to the host only when
+reported.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 import optax
 from clu import metrics as clu_metrics
 
+from jaxlightning.metrics import Average, LogOptions, across_devices, from_logged, zero
 from jaxlightning.module import JaxModule
 from jaxlightning.state import TrainState
 
@@ -29,21 +33,28 @@ AXIS = "batch"
 """The device axis the step functions run over (exported as ``jl.AXIS``): name it in
 collectives of your own, e.g. ``nn.BatchNorm(axis_name=jl.AXIS)`` for BatchNorm
 statistics over the global batch, or ``jax.lax.pmean(x, jl.AXIS)``."""
-Metrics = dict[str, clu_metrics.Average]
+Metrics = dict[str, clu_metrics.Metric]
+Options = dict[str, LogOptions]
+# The Trainer's own training loss, as reported: per interval, in the bar.
+LOSS_OPTIONS = LogOptions(on_step=True, on_epoch=False, prog_bar=True)
 
 
 @flax.struct.dataclass
 class TrainMetrics:
-    """What train steps accumulate between two reports.
+    """What train steps accumulate.
 
     Attributes:
-        metrics: logged values by name, ``"loss"`` among them.
+        metrics: logged values by name since the last report, ``"loss"`` among
+            them (reset at each report and at each epoch's end).
+        epoch: the values of names logged with ``on_epoch=True``, since the
+            epoch began (reset at its end).
         first_nonfinite: the first global step (1-based) whose loss was not
             finite, or 0. Checked on the host at each report and before each
             checkpoint, so detecting a bad loss costs no per-step sync.
     """
 
     metrics: Metrics
+    epoch: Metrics
     first_nonfinite: jax.Array
 
 
@@ -53,59 +64,35 @@ def device_keys(rng: jax.Array, step: jax.Array, streams: tuple[str, ...]) -> di
     return {name: jax.random.fold_in(key, i) for i, name in enumerate(streams)}
 
 
-def _psum(tree: Any) -> Any:
-    """Sum over the devices; a no-op on one (XLA keeps a 1-device all-reduce, which
-    costs a copy of every gradient and blocks fusing it into the update)."""
-    return tree if jax.lax.axis_size(AXIS) == 1 else jax.lax.psum(tree, AXIS)
-
-
-def _average(name: str, value: Any, mask: jax.Array) -> clu_metrics.Average:
-    """A logged value as a masked average over the real examples of the shard."""
-    value = jnp.asarray(value)
-    if value.ndim == 0:
-        value = jnp.broadcast_to(value, mask.shape)
-    elif value.shape != mask.shape:
-        raise ValueError(
-            f"self.log({name!r}, ...) got an array of shape {value.shape}; log a scalar "
-            f"or a per-example vector of shape {mask.shape} (this device's shard)"
-        )
-    if not (jnp.issubdtype(value.dtype, jnp.number) or value.dtype == jnp.bool_):
-        raise TypeError(f"self.log({name!r}, ...) got dtype {value.dtype}; log numbers")
-    return clu_metrics.Average.from_model_output(value.astype(jnp.float32), mask=mask)
-
-
 def _logged_metrics(logged: Mapping[str, Any], mask: jax.Array) -> Metrics:
-    return {name: _average(name, value, mask) for name, value in logged.items()}
+    return {name: from_logged(name, value, mask, opts) for name, (value, opts) in logged.items()}
 
 
-def _merge(acc: Metrics | None, new: Metrics, hook: str) -> Metrics:
-    if acc is None:
-        return new
-    if acc.keys() != new.keys():
+def _kinds(metrics: Metrics) -> dict[str, Any]:
+    return {name: (type(m), getattr(m, "op", None)) for name, m in metrics.items()}
+
+
+def _merge(acc: Metrics, new: Metrics, hook: str) -> Metrics:
+    if _kinds(acc) != _kinds(new):
         raise ValueError(
             f"{hook}() logged {sorted(new)} in this trace but {sorted(acc)} when the "
-            "Trainer first traced it; log the same names every time (a Python "
-            "condition on shapes or attributes can change them between traces)"
+            "Trainer first traced it (or with another reduce_fx); log the same names "
+            "the same way every time (a Python condition on shapes or attributes can "
+            "change them between traces)"
         )
     return {name: acc[name].merge(metric) for name, metric in new.items()}
 
 
-def _merge_train(acc: TrainMetrics | None, new: Metrics, step: jax.Array) -> TrainMetrics:
+def _merge_train(acc: TrainMetrics, new: Metrics, step: jax.Array) -> TrainMetrics:
     bad = jnp.where(jnp.isfinite(new["loss"].total), 0, step).astype(jnp.int32)
-    if acc is None:
-        return TrainMetrics(new, bad)
     first = jnp.where(acc.first_nonfinite > 0, acc.first_nonfinite, bad)
-    return TrainMetrics(_merge(acc.metrics, new, "loss"), first)
+    epoch = _merge(acc.epoch, {name: new[name] for name in acc.epoch if name in new}, "loss")
+    return TrainMetrics(_merge(acc.metrics, new, "loss"), epoch, first)
 
 
-def _zero_average() -> clu_metrics.Average:
-    return clu_metrics.Average(total=np.zeros((), np.float32), count=np.zeros((), np.int32))
-
-
-def _logged_names(
-    module: JaxModule, hook: str, variables: Any, batch: Any, *extra: Any
-) -> list[str]:
-    """The names the hook ``hook`` logs, from an abstract trace of the hook alone.
+def _logged_names(module: JaxModule, hook: str, variables: Any, batch: Any, *extra: Any) -> Options:
+    """The names the hook ``hook`` logs and their options, from an abstract trace
+    of the hook alone.
 
     Cheaper than tracing a whole step (no gradient), and needs no device: the
     step functions take their accumulators as inputs, so their structure must
@@ -113,13 +100,13 @@ def _logged_names(
     axis `AXIS` bound (a one-device ``vmap``), so hooks that use it (SyncBatchNorm,
     ``lax.pmean``, ``axis_index``) trace as they do in the step.
     """
-    names: list[str] = []
+    names: Options = {}
     rows = jax.tree.leaves(batch)[0].shape[0]
 
     def run(*args: Any) -> None:
         with module._collect_logs(hook, jnp.ones(rows, bool)) as logged:
             getattr(module, hook)(*args)
-        names.extend(logged)
+        names.update({name: opts for name, (_, opts) in logged.items()})
 
     one_device = jax.vmap(run, in_axes=None, axis_name=AXIS, axis_size=1)
     jax.eval_shape(one_device, variables, batch, *extra)
@@ -159,19 +146,25 @@ def checked_setup(module: JaxModule, rng: jax.Array, example: Any) -> dict[str, 
     return dict(variables)
 
 
-def zero_train_metrics(module: JaxModule, state: TrainState, batch: Any) -> TrainMetrics:
-    """An empty `TrainMetrics` for ``module``'s logs (``batch``: one device's shard)."""
+def zero_train_metrics(
+    module: JaxModule, state: TrainState, batch: Any
+) -> tuple[TrainMetrics, Options]:
+    """An empty `TrainMetrics` for ``module``'s logs (``batch``: one device's
+    shard), and the options of every name, ``"loss"`` included."""
     rngs = {s: state.rng for s in module.rng_streams}
-    names = _logged_names(module, "loss", state.variables, batch, rngs)
-    metrics = {name: _zero_average() for name in names}
-    metrics["loss"] = _zero_average()
-    return TrainMetrics(metrics, np.zeros((), np.int32))
+    options = _logged_names(module, "loss", state.variables, batch, rngs)
+    options["loss"] = LOSS_OPTIONS
+    metrics = {name: zero(opts) for name, opts in options.items()}
+    epoch = {name: zero(opts) for name, opts in options.items() if opts.on_epoch}
+    return TrainMetrics(metrics, epoch, np.zeros((), np.int32)), options
 
 
-def zero_eval_metrics(module: JaxModule, variables: Any, batch: Any) -> Metrics:
-    """Empty accumulators for what ``module.eval_step`` logs."""
-    names = _logged_names(module, "eval_step", variables, batch)
-    return {name: _zero_average() for name in names}
+def zero_eval_metrics(
+    module: JaxModule, hook: str, variables: Any, batch: Any
+) -> tuple[Metrics, Options]:
+    """Empty accumulators for what the evaluation ``hook`` logs, and their options."""
+    options = _logged_names(module, hook, variables, batch)
+    return {name: zero(opts) for name, opts in options.items()}, options
 
 
 def _split_loss_output(out: Any, model_state: Mapping[str, Any]) -> tuple[Any, dict]:
@@ -251,11 +244,11 @@ def build_train_step(
             loss, updates = _split_loss_output(out, state.model_state)
             total, count = _masked_loss_sum(loss, mask)
             metrics = _logged_metrics(logged, mask)
-            metrics["loss"] = clu_metrics.Average(total=total, count=count)
+            metrics["loss"] = Average(total=total, count=count)
             return total, (metrics, updates)
 
         grads, (metrics, updates) = jax.grad(objective, has_aux=True)(state.params)
-        grads, metrics, summed_updates = _psum((grads, metrics, updates))
+        (grads, summed_updates), metrics = across_devices(AXIS, metrics, (grads, updates))
         n_real = metrics["loss"].count
         grads = jax.tree.map(lambda g: g / n_real, grads)
         updates = _pmean_floats(summed_updates, updates, jax.lax.axis_size(AXIS))
@@ -266,20 +259,21 @@ def build_train_step(
 
 
 def build_eval_step(
-    module: JaxModule,
-) -> Callable[[dict[str, Any], Metrics | None, Any, jax.Array], Metrics]:
-    """Per-device eval step ``(variables, acc, batch, mask) -> acc``."""
+    module: JaxModule, hook: str = "eval_step"
+) -> Callable[[dict[str, Any], Metrics, Any, jax.Array], Metrics]:
+    """Per-device eval step ``(variables, acc, batch, mask) -> acc`` running the
+    module's ``hook`` (``eval_step``, ``validation_step`` or ``test_step``)."""
 
     def jl_eval_step(variables, acc, batch, mask):
-        with module._collect_logs("eval_step", mask) as logged:
-            module.eval_step(variables, batch)
+        with module._collect_logs(hook, mask) as logged:
+            getattr(module, hook)(variables, batch)
         if not logged:
             raise ValueError(
-                f"{type(module).__name__}.eval_step logged nothing; call self.log(name, "
+                f"{type(module).__name__}.{hook} logged nothing; call self.log(name, "
                 "value) in it for each metric to report"
             )
-        metrics = _psum(_logged_metrics(logged, mask))
-        return _merge(acc, metrics, "eval_step")
+        _, metrics = across_devices(AXIS, _logged_metrics(logged, mask))
+        return _merge(acc, metrics, hook)
 
     return jl_eval_step
 
@@ -288,8 +282,13 @@ def build_predict_step(module: JaxModule) -> Callable[[dict[str, Any], Any, jax.
     """Per-device predict step ``(variables, batch, mask) -> outputs`` (per-example rows)."""
 
     def jl_predict_step(variables, batch, mask):
-        with module._collect_logs("predict_step", mask):
+        with module._collect_logs("predict_step", mask) as logged:
             out = module.predict_step(variables, batch)
+        if logged:
+            raise ValueError(
+                f"predict_step logged {sorted(logged)}; predict returns outputs and logs "
+                "nothing. Return the values as outputs, or log them in eval_step"
+            )
         rows = jax.tree.leaves(batch)[0].shape[0]
         for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
             shape = jnp.shape(leaf)

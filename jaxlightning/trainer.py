@@ -26,9 +26,10 @@ from jaxlightning.data import (
     loader_batch_size,
     torch_threads,
 )
-from jaxlightning.evaluation import EvaluationMixin, host_values, shard_shapes
+from jaxlightning.evaluation import EvaluationMixin, eval_hook, shard_shapes
 from jaxlightning.loggers import Logger, TensorBoardLogger
 from jaxlightning.module import JaxModule
+from jaxlightning.reporting import Report, report
 from jaxlightning.resume import CheckpointingMixin
 from jaxlightning.sampling import common_num_batches, epoch_loader
 from jaxlightning.signals import StopRequest
@@ -193,6 +194,8 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         self.current_epoch = 0
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, float] = {}
+        self.progress_bar_metrics: dict[str, float] = {}
+        self._train_options: dict[str, Any] = {}
         self.num_training_batches: int | None = None
         self.num_eval_batches: int | None = None
         self.should_stop = False
@@ -341,6 +344,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
                     f"{type(module).__name__} does not define {hook}(); the Trainer "
                     f"needs it here. See JaxModule.{hook} for its signature"
                 )
+        checks.lightning_signatures(module, hooks)
         checks.lightning_hooks(module)
 
     # ------------------------------------------------------------------- fit
@@ -376,7 +380,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
     ) -> None:
         self._check_module(module, "setup", "configure_optimizers", "loss")
         if val_dataloaders is not None:
-            self._check_module(module, "eval_step")
+            self._check_module(module, eval_hook(module, "validation"))
         tx = checks.optimizer(module)
         if self.max_epochs != 1:
             checks.reiterable(train_dataloaders, "train_dataloaders", passes="once per epoch")
@@ -439,7 +443,9 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         shapes, pending_state = self._start_init_state(module, tx, example)
         threads.callback(join_quietly, pending_state)
         rows = example.host.mask.shape[0] // self.strategy.num_local_devices
-        acc0 = zero_train_metrics(module, shapes, shard_shapes(example.host.data, rows))
+        acc0, self._train_options = zero_train_metrics(
+            module, shapes, shard_shapes(example.host.data, rows)
+        )
         train_step = self.strategy.compile(
             build_train_step(module, tx),
             sharded_args=(False, False, True, True),
@@ -496,8 +502,8 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
                     batches, skip = None, 0
                     if self._stop_signal:
                         self._stop_on_signal(module)
+                    self._end_train_epoch(acc0)
                     if self.epoch_completed:
-                        self._report_train(log=False)
                         if val_dataloaders is not None and (
                             (epoch + 1) % self.check_val_every_n_epoch == 0
                         ):
@@ -508,7 +514,6 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
                         self.current_epoch = epoch + 1
                     if self.should_stop:
                         break
-                self._report_train(log=False)
         except BaseException:
             self._call("teardown", module)
             raise
@@ -543,8 +548,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
             self._progress = (epoch, batch_idx + 1)
             at_report = self.global_step % self.log_every_n_steps == 0
             if at_report:
-                self._report_train(log=True)
-                self._acc = acc0
+                self._report_train(acc0)
             self._stop_signal = self._agreed_signal(at_report)
             self._call("on_train_batch_end", module, batch_idx)
         self.epoch_completed = True
@@ -554,7 +558,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         if val_dataloaders is None or self.num_sanity_val_steps == 0:
             return
         limit = None if self.num_sanity_val_steps < 0 else self.num_sanity_val_steps
-        self._evaluate("validation", module, val_dataloaders, limit=limit, report=False)
+        self._evaluate("validation", module, val_dataloaders, limit=limit, publish=False)
 
     def _finished(self, loader: Iterable[Any], skip: int) -> str:
         """Why a fit from the current progress would train nothing ("" if it would)."""
@@ -643,21 +647,37 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
                 "Trainer(stop_on_nonfinite_loss=False) trains on regardless"
             )
 
-    def _report_train(self, *, log: bool) -> None:
+    def _report_train(self, acc0: TrainMetrics) -> None:
+        """Reports the values of this logging interval and starts the next one."""
         acc = self._fetch(self._acc)
         self._check_finite(acc)
-        values = host_values(acc.metrics, "train")
-        if not values:
-            return
-        self.callback_metrics = {**self.callback_metrics, **values}
-        if log:
-            self._log(values)
+        self._publish(report("train", self._train_options, acc.metrics, "step"))
+        self._acc = self._acc.replace(metrics=acc0.metrics)
 
-    def _log(self, values: dict[str, float]) -> None:
-        self.logged_metrics = {**values, "epoch": float(self.current_epoch)}
-        self.callback_metrics = {**self.callback_metrics, **values}
-        if self.logger is not None:
-            self.logger.log_metrics(self.logged_metrics, step=self.global_step)
+    def _end_train_epoch(self, acc0: TrainMetrics) -> None:
+        """Reports the epoch's last (partial) interval and its ``on_epoch`` values.
+
+        After a complete epoch the accumulators start over: logging intervals
+        never span two epochs. An epoch cut short (``max_steps``, ``should_stop``)
+        keeps them, so that a run resumed from its checkpoint continues them
+        exactly as an uninterrupted run would.
+        """
+        acc = self._fetch(self._acc)
+        self._check_finite(acc)
+        values = report("train", self._train_options, acc.metrics, "step")
+        values.update(report("train", self._train_options, acc.epoch, "epoch"))
+        self._publish(values)
+        if self.epoch_completed:
+            self._acc = acc0
+
+    def _publish(self, values: Report) -> None:
+        """Hands reported values to ``callback_metrics``, the bar and the loggers."""
+        self.callback_metrics = {**self.callback_metrics, **values.values}
+        self.progress_bar_metrics = {**self.progress_bar_metrics, **values.bar}
+        if values.logged:
+            self.logged_metrics = {**values.logged, "epoch": float(self.current_epoch)}
+            if self.logger is not None:
+                self.logger.log_metrics(self.logged_metrics, step=self.global_step)
 
 
 def _as_list(loaders: Any) -> list[Any]:

@@ -125,7 +125,7 @@ def test_logging_the_reserved_name_loss_in_loss_raises():
     [
         ("high", r"self.log\('x', ...\) in loss\(\) got a str"),
         (None, r"self.log\('x', ...\) in loss\(\) got a NoneType"),
-        ({"a": 1.0}, r"got a dict; .* \(log each entry"),
+        ({"a": 1.0}, r"got a dict; .* \(use self.log_dict for a dict\)"),
     ],
 )
 def test_logging_a_non_number_names_hook_and_type(value, message):

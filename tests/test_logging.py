@@ -58,10 +58,12 @@ def test_each_run_gets_its_own_version_directory(run):
     assert sorted(os.listdir(os.path.join(root, "lightning_logs"))) == ["version_0", "version_1"]
 
 
-def test_train_loss_logged_every_n_steps(run):
+def test_train_loss_logged_every_n_steps_and_at_each_epoch_end(run):
+    # 7 steps per epoch: every 5th step, and each epoch's last, partial interval
+    # (intervals never span epochs, and none is lost).
     _, _, events, _, _ = run
     steps = [e.step for e in events.Scalars("train/loss")]
-    assert steps == [5, 10, 15, 20]  # 21 steps in all
+    assert steps == [5, 7, 10, 14, 15, 20, 21]
     assert [e.step for e in events.Scalars("train/acc")] == steps
 
 
@@ -105,13 +107,21 @@ def test_current_epoch_counts_completed_epochs(run):
     assert second.current_epoch == 0 and second.global_step == 1
 
 
-def test_progress_bar_shows_epochs_and_metrics(tmp_path, capsys):
+def test_progress_bar_shows_epochs_and_only_prog_bar_metrics(tmp_path, capsys):
+    class BarAcc(LitMLP):
+        def eval_step(self, variables, batch):
+            x, y = batch
+            self.log("acc", self.net.apply(variables, x).argmax(-1) == y, prog_bar=True)
+
     x, y = digits(96)
     trainer = jl.Trainer(max_epochs=2, log_every_n_steps=1, logger=False, default_root_dir=tmp_path)
-    trainer.fit(LitMLP(hidden=16), loader(x, y, 32), loader(x, y, 32))
+    trainer.fit(BarAcc(hidden=16), loader(x, y, 32), loader(x, y, 32))
     err = capsys.readouterr().err
     assert "Epoch 0" in err and "Epoch 1" in err and "Validation" in err
     assert "train/loss=" in err and "val/acc=" in err
+    assert "train/acc=" not in err  # logged without prog_bar
+    assert set(trainer.progress_bar_metrics) == {"train/loss", "val/acc"}
+    assert "train/acc" in trainer.callback_metrics
 
 
 def test_tensorboard_logger_resumes_only_its_own_run_directories(tmp_path):

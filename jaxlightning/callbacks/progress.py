@@ -42,8 +42,10 @@ def _fmt(value: float) -> str:
 class TQDMProgressBar(Callback):
     """Progress bars with the latest fetched metrics in the postfix.
 
-    The postfix changes only when the Trainer has fetched new values (at its
-    logging interval and after validation), so the bar never forces a sync.
+    The postfix shows ``trainer.progress_bar_metrics``: ``train/loss`` and the
+    values logged with ``prog_bar=True``. It changes only when the Trainer has
+    fetched new values (at its logging interval and after validation), so the
+    bar never forces a sync, and a new epoch's bar starts with the latest ones.
 
     Args:
         refresh_rate: redraw at most every this many steps.
@@ -56,7 +58,7 @@ class TQDMProgressBar(Callback):
         self._shown: object = None
 
     def _postfix(self, trainer: Trainer, bar: _SteadyTqdm) -> None:
-        metrics = trainer.callback_metrics
+        metrics = trainer.progress_bar_metrics
         if metrics is not self._shown:
             self._shown = metrics
             bar.set_postfix({k: _fmt(v) for k, v in metrics.items()}, refresh=False)
@@ -70,9 +72,9 @@ class TQDMProgressBar(Callback):
             miniters=self.refresh_rate,
             # A new bar shows the latest values from its first frame, not only
             # from the next fetch on.
-            postfix={k: _fmt(v) for k, v in trainer.callback_metrics.items()},
+            postfix={k: _fmt(v) for k, v in trainer.progress_bar_metrics.items()},
         )
-        self._shown = trainer.callback_metrics
+        self._shown = trainer.progress_bar_metrics
 
     def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
         if self._bar is not None:

@@ -1,0 +1,137 @@
+"""What ``self.log`` records: options per name, and exact reductions on device.
+
+A value logged in a traced hook becomes a `clu.metrics` state over the real
+(unmasked) rows of one device's shard: `Average` for ``reduce_fx="mean"``,
+`Total` for ``"sum"``, `Extreme` for ``"max"``/``"min"``. States merge across
+steps on device and reduce across devices inside the step (``psum``; ``pmax``
+or ``pmin`` only for extremes), so the host fetches exact values only when it
+reports them. How the host names and routes them is `LogOptions`' business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from clu import metrics as clu_metrics
+
+REDUCTIONS = ("mean", "sum", "max", "min")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogOptions:
+    """How one logged name is reduced and reported (Lightning's ``self.log`` keywords).
+
+    Attributes:
+        on_step: report per logging interval (training only).
+        on_epoch: report the reduction over the whole epoch / evaluation run.
+        prog_bar: show it in the progress bar.
+        logger: send it to the loggers (``callback_metrics`` always has it).
+        reduce_fx: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` over real rows.
+    """
+
+    on_step: bool
+    on_epoch: bool
+    prog_bar: bool = False
+    logger: bool = True
+    reduce_fx: str = "mean"
+
+
+Average = clu_metrics.Average
+
+
+@flax.struct.dataclass
+class Total(clu_metrics.Average):
+    """A sum over real rows (``reduce_fx="sum"``): an `Average` that reports its total."""
+
+    def compute(self) -> Any:
+        return self.total
+
+
+@flax.struct.dataclass
+class Extreme(clu_metrics.Metric):
+    """The largest (``op="max"``) or smallest value over real rows, and their count."""
+
+    value: jax.Array
+    count: jax.Array
+    op: str = flax.struct.field(pytree_node=False, default="max")
+
+    def merge(self, other: Extreme) -> Extreme:
+        pick = jnp.maximum if self.op == "max" else jnp.minimum
+        return self.replace(value=pick(self.value, other.value), count=self.count + other.count)
+
+    def compute(self) -> Any:
+        return self.value
+
+
+def _fill(op: str) -> float:
+    return -np.inf if op == "max" else np.inf
+
+
+def zero(options: LogOptions) -> clu_metrics.Metric:
+    """The empty state of a name logged with ``options`` (host numpy scalars)."""
+    count = np.zeros((), np.int32)
+    if options.reduce_fx in ("max", "min"):
+        value = np.asarray(_fill(options.reduce_fx), np.float32)
+        return Extreme(value=value, count=count, op=options.reduce_fx)
+    cls = Total if options.reduce_fx == "sum" else Average
+    return cls(total=np.zeros((), np.float32), count=count)
+
+
+def from_logged(name: str, value: Any, mask: jax.Array, options: LogOptions) -> Any:
+    """One shard's state of a logged scalar or per-example ``value``.
+
+    A scalar counts once per real row (so a scalar mean of the shard averages
+    exactly across devices); a per-example vector counts its real rows.
+    """
+    value = jnp.asarray(value)
+    if value.ndim == 0:
+        value = jnp.broadcast_to(value, mask.shape)
+    elif value.shape != mask.shape:
+        raise ValueError(
+            f"self.log({name!r}, ...) got an array of shape {value.shape}; log a scalar "
+            f"or a per-example vector of shape {mask.shape} (this device's shard)"
+        )
+    value = value.astype(jnp.float32)
+    count = mask.sum(dtype=jnp.int32)
+    if options.reduce_fx in ("max", "min"):
+        masked = jnp.where(mask, value, _fill(options.reduce_fx))
+        pick = jnp.max if options.reduce_fx == "max" else jnp.min
+        return Extreme(value=pick(masked), count=count, op=options.reduce_fx)
+    if options.reduce_fx == "sum" and value.ndim:
+        return Total(total=jnp.where(mask, value, 0).sum(), count=count)
+    return Average.from_model_output(value, mask=mask)
+
+
+def across_devices(axis: str, metrics: Mapping[str, Any], tree: Any = None) -> Any:
+    """``(tree, metrics)`` summed across the devices of ``axis``, extremes taken
+    with ``pmax``/``pmin``: one collective for the sums, one per kind of extreme
+    used. A no-op on one device (XLA keeps a one-device all-reduce, which costs
+    a copy of every gradient and blocks fusing it into the update)."""
+    if jax.lax.axis_size(axis) == 1:
+        return tree, dict(metrics)
+    sums = {n: m for n, m in metrics.items() if not isinstance(m, Extreme)}
+    extremes = {n: m for n, m in metrics.items() if isinstance(m, Extreme)}
+    counts = {n: m.count for n, m in extremes.items()}
+    tree, sums, counts = jax.lax.psum((tree, sums, counts), axis)
+    reduced = dict(sums)
+    for op, collective in (("max", jax.lax.pmax), ("min", jax.lax.pmin)):
+        group = {n: m for n, m in extremes.items() if m.op == op}
+        if group:
+            values = collective({n: m.value for n, m in group.items()}, axis)
+            reduced.update(
+                {n: m.replace(value=values[n], count=counts[n]) for n, m in group.items()}
+            )
+    return tree, {n: reduced[n] for n in metrics}
+
+
+def host_value(metric: Any) -> float | None:
+    """A fetched state's value, or ``None`` when it saw no real row."""
+    if int(metric.count) == 0:
+        return None
+    return float(metric.compute())
