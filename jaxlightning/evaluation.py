@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxlightning.checkpoint import restore_variables
 from jaxlightning.data import Batches, DeviceBatch
+from jaxlightning.datamodule import loaders as datamodule_loaders
 from jaxlightning.metrics import LogOptions
 from jaxlightning.module import JaxModule
 from jaxlightning.reporting import Report, report
@@ -89,6 +90,7 @@ class EvaluationMixin:
         self.num_eval_batches = None if None in counts else sum(counts)  # type: ignore[arg-type]
         if publish:
             self._call(f"on_{stage}_start", module)
+            self._call(f"on_{stage}_epoch_start", module)
         prefix = _STAGE_PREFIX[stage]
         results, everything = [], Report()
         for i, loader in enumerate(loaders):
@@ -103,6 +105,7 @@ class EvaluationMixin:
         if not publish:
             return []
         self._publish(everything)
+        self._call(f"on_{stage}_epoch_end", module)
         self._call(f"on_{stage}_end", module)
         return results
 
@@ -170,34 +173,63 @@ class EvaluationMixin:
             return None
 
     def validate(
-        self, module: JaxModule, dataloaders: Any, *, ckpt_path: Any = None
+        self,
+        module: JaxModule,
+        dataloaders: Any = None,
+        *,
+        datamodule: Any = None,
+        ckpt_path: Any = None,
     ) -> list[dict[str, float]]:
-        """Evaluates ``module`` with its ``eval_step``; returns ``[{"val/...": v}]``.
+        """Evaluates ``module`` (its ``validation_step``, else ``eval_step``);
+        returns ``[{"val/...": v}]``, one dict per loader.
 
         Uses the module's trained variables, or those of ``ckpt_path``
         (``"last"``, ``"best"`` or a checkpoint folder), which it then keeps.
+        ``datamodule=`` takes the loaders from its ``val_dataloader()``.
         """
-        return self._run_eval_stage("validation", module, dataloaders, ckpt_path)
+        return self._run_eval_stage("validation", module, dataloaders, datamodule, ckpt_path)
 
     def test(
-        self, module: JaxModule, dataloaders: Any, *, ckpt_path: Any = None
+        self,
+        module: JaxModule,
+        dataloaders: Any = None,
+        *,
+        datamodule: Any = None,
+        ckpt_path: Any = None,
     ) -> list[dict[str, float]]:
-        """Like `validate`, with ``test/`` names."""
-        return self._run_eval_stage("test", module, dataloaders, ckpt_path)
+        """Like `validate`, with ``test_step`` (else ``eval_step``) and ``test/`` names."""
+        return self._run_eval_stage("test", module, dataloaders, datamodule, ckpt_path)
 
     def _run_eval_stage(
-        self, stage: str, module: JaxModule, dataloaders: Any, ckpt_path: Any
+        self, stage: str, module: JaxModule, dataloaders: Any, datamodule: Any, ckpt_path: Any
     ) -> list[dict[str, float]]:
-        self._check_module(module, eval_hook(module, stage))
-        _ = self.log_dir  # fixes the run directory on every process at once
-        try:
-            with self._host_threads():
+        with self._stage("validate" if stage == "validation" else stage, module, datamodule):
+            dataloaders = self._stage_loaders(stage, dataloaders, datamodule)
+            self._check_module(module, eval_hook(module, stage))
+            _ = self.log_dir  # fixes the run directory on every process at once
+            try:
                 return self._evaluate(stage, module, dataloaders, ckpt_path)
-        finally:
-            if self.logger is not None:
-                self.logger.finalize()
+            finally:
+                self._finalize_loggers()
 
-    def predict(self, module: JaxModule, dataloaders: Any, *, ckpt_path: Any = None) -> Any:
+    @staticmethod
+    def _stage_loaders(stage: str, dataloaders: Any, datamodule: Any) -> Any:
+        if datamodule is None:
+            if dataloaders is None:
+                raise TypeError(f"{stage} needs dataloaders (or datamodule=...)")
+            return dataloaders
+        if dataloaders is not None:
+            raise ValueError(f"pass either dataloaders or datamodule= to {stage}, not both")
+        return datamodule_loaders(datamodule, stage, required=True)
+
+    def predict(
+        self,
+        module: JaxModule,
+        dataloaders: Any = None,
+        *,
+        datamodule: Any = None,
+        ckpt_path: Any = None,
+    ) -> Any:
         """Runs ``predict_step`` over ``dataloaders`` (with ``ckpt_path``'s variables).
 
         Returns:
@@ -205,8 +237,9 @@ class EvaluationMixin:
             dataset example, in order (numpy arrays, same pytree structure as
             ``predict_step``'s output). A list of those for a list of loaders.
         """
-        self._check_module(module, "predict_step")
-        with self._host_threads():
+        with self._stage("predict", module, datamodule):
+            dataloaders = self._stage_loaders("predict", dataloaders, datamodule)
+            self._check_module(module, "predict_step")
             if isinstance(dataloaders, (list, tuple)):
                 return [
                     self._predict_loader(module, d, ckpt_path if i == 0 else None)

@@ -84,6 +84,46 @@ class JaxModule:
         self._log_sink: dict[str, jax.Array] | None = None
         self._hook: str = ""
         self._mask: jax.Array | None = None
+        self._step: jax.Array | None = None
+        self._trainer: Any = None
+
+    # ------------------------------------------------------------ the run
+    @property
+    def trainer(self) -> Any:
+        """The Trainer running this module (a read-only view; set while it runs)."""
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")
+        return self._trainer
+
+    @property
+    def global_step(self) -> Any:
+        """Optimizer steps so far. Inside `loss` a traced value (the step being
+        taken, counting from 0), so schedules on it need no recompile; on the
+        host the Trainer's count; 0 without a Trainer."""
+        if self._step is not None:
+            return self._step
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        return self._trainer.current_epoch if self._trainer is not None else 0
+
+    # Host-side hooks, called after the callbacks' hooks of the same name.
+    def on_fit_start(self) -> None: ...
+    def on_fit_end(self) -> None: ...
+    def on_train_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
+    def on_train_epoch_start(self) -> None: ...
+    def on_train_epoch_end(self) -> None: ...
+    def on_validation_epoch_start(self) -> None: ...
+    def on_validation_epoch_end(self) -> None: ...
+    def on_test_epoch_start(self) -> None: ...
+    def on_test_epoch_end(self) -> None: ...
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """``checkpoint`` is the JSON record being saved; entries added to it are kept."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """``checkpoint`` is the JSON record of the checkpoint the run resumes from."""
 
     # ----------------------------------------------------------------- hooks
     def setup(self, rng: jax.Array, batch: Any) -> dict[str, Any]:
@@ -195,13 +235,19 @@ class JaxModule:
         already carries it (``val_loss``, ``val/acc`` are kept as written).
         ``prog_bar`` shows it in the progress bar; ``logger=False`` keeps it
         out of the loggers (``trainer.callback_metrics`` always has it).
+
+        In a host-side hook (``on_train_epoch_end``, say) ``value`` is a host
+        number, logged at once at the current step under ``name`` as written.
         """
         del sync_dist, batch_size, rank_zero_only  # always exact; see above
         if self._log_sink is None:
-            raise RuntimeError(
-                f"self.log({name!r}, ...) was called outside a traced hook; call it "
-                "inside loss() or eval_step() while the Trainer runs them"
-            )
+            if self._trainer is None:
+                raise RuntimeError(
+                    f"self.log({name!r}, ...) was called outside the Trainer; call it in "
+                    "a traced hook (loss, eval_step) or a module hook while the Trainer runs"
+                )
+            self._trainer._log_host(name, value, prog_bar=prog_bar, logger=logger)
+            return
         if not isinstance(name, str) or not name:
             raise ValueError(f"self.log needs a non-empty string name, got {name!r}")
         if name in self._log_sink:
@@ -259,16 +305,17 @@ class JaxModule:
 
     @contextlib.contextmanager
     def _collect_logs(
-        self, hook: str, mask: jax.Array | None = None
+        self, hook: str, mask: jax.Array | None = None, step: jax.Array | None = None
     ) -> Iterator[dict[str, jax.Array]]:
-        """Within the block, `log` records into the yielded dict and `batch_mask`
-        is ``mask``; ``hook`` names the traced hook in error messages."""
-        previous = self._log_sink, self._hook, self._mask
-        self._log_sink, self._hook, self._mask = {}, hook, mask
+        """Within the block, `log` records into the yielded dict, `batch_mask` is
+        ``mask`` and `global_step` is ``step`` (traced); ``hook`` names the traced
+        hook in error messages."""
+        previous = self._log_sink, self._hook, self._mask, self._step
+        self._log_sink, self._hook, self._mask, self._step = {}, hook, mask, step
         try:
             yield self._log_sink
         finally:
-            self._log_sink, self._hook, self._mask = previous
+            self._log_sink, self._hook, self._mask, self._step = previous
 
     def save_hyperparameters(self, *names: str, ignore: tuple[str, ...] = ()) -> None:
         """Records the calling ``__init__``'s arguments in `hparams`.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 from collections.abc import Mapping
@@ -14,7 +15,7 @@ import numpy as np
 from jaxlightning import distributed
 from jaxlightning.callbacks import Callback, ModelCheckpoint
 from jaxlightning.checkpoint import find_last, json_safe, read_meta
-from jaxlightning.loggers import TensorBoardLogger
+from jaxlightning.loggers.base import VersionedLogger
 from jaxlightning.module import JaxModule
 
 
@@ -39,10 +40,16 @@ class CheckpointingMixin:
             keys.append((name if seen[name] == 1 else f"{name}_{seen[name]}", cb))
         return keys
 
-    def _load_callback_states(self, states: Mapping[str, Any]) -> None:
+    def _load_states(self, module: JaxModule, meta: Mapping[str, Any]) -> None:
+        """Hands a resumed checkpoint's record to the callbacks, the datamodule and
+        the ``on_load_checkpoint`` hooks."""
+        states = meta.get("callbacks", {})
         for key, cb in self._callback_keys():
             if key in states and hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(states[key])
+        if self.datamodule is not None and "datamodule" in meta:
+            self.datamodule.load_state_dict(meta["datamodule"])
+        self._call("on_load_checkpoint", module, dict(meta))
 
     def checkpoint_payload(self, module: JaxModule) -> tuple[Any, dict[str, Any]]:
         """What a checkpoint of the run holds now: arrays and a JSON record.
@@ -68,6 +75,17 @@ class CheckpointingMixin:
             "log_dir": self.log_dir,
             "num_devices": self.num_devices,
         }
+        if self.datamodule is not None and hasattr(self.datamodule, "state_dict"):
+            meta["datamodule"] = self.datamodule.state_dict()
+        self._call("on_save_checkpoint", module, meta)
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"the checkpoint record cannot be saved as JSON ({exc}); on_save_checkpoint "
+                "hooks and state_dict methods must add only JSON values (numbers, strings, "
+                "lists, dicts)"
+            ) from exc
         return tree, meta
 
     def _agreed_signal(self, at_report: bool) -> int:
@@ -111,7 +129,7 @@ class CheckpointingMixin:
         cb = self.checkpoint_callback
         if cb is not None and cb.dirpath is not None:
             dirs.append(os.path.abspath(cb.dirpath))
-        if isinstance(self.logger, TensorBoardLogger):
+        if isinstance(self.logger, VersionedLogger):
             root = os.path.join(self.logger.save_dir, self.logger.name)
             dirs += glob.glob(os.path.join(root, "version_*", "checkpoints"))
         dirs.append(os.path.join(self.default_root_dir, "checkpoints"))
@@ -138,5 +156,6 @@ class CheckpointingMixin:
 
     def _adopt_log_dir(self, log_dir: str | None) -> None:
         """Resumes logging into the checkpoint's run directory (one run in TensorBoard)."""
-        if log_dir and self.logger is not None:
-            self.logger.resume_in(log_dir)
+        if log_dir:
+            for logger in self.loggers:
+                logger.resume_in(log_dir)

@@ -104,7 +104,8 @@ def _logged_names(module: JaxModule, hook: str, variables: Any, batch: Any, *ext
     rows = jax.tree.leaves(batch)[0].shape[0]
 
     def run(*args: Any) -> None:
-        with module._collect_logs(hook, jnp.ones(rows, bool)) as logged:
+        step = jnp.zeros((), jnp.int32) if hook == "loss" else None
+        with module._collect_logs(hook, jnp.ones(rows, bool), step) as logged:
             getattr(module, hook)(*args)
         names.update({name: opts for name, (_, opts) in logged.items()})
 
@@ -239,7 +240,7 @@ def build_train_step(
 
         def objective(params):
             variables = {"params": params, **state.model_state}
-            with module._collect_logs("loss", mask) as logged:
+            with module._collect_logs("loss", mask, state.step) as logged:
                 out = module.loss(variables, batch, rngs)
             loss, updates = _split_loss_output(out, state.model_state)
             total, count = _masked_loss_sum(loss, mask)

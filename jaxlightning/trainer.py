@@ -26,6 +26,8 @@ from jaxlightning.data import (
     loader_batch_size,
     torch_threads,
 )
+from jaxlightning.datamodule import loaders as datamodule_loaders
+from jaxlightning.datamodule import prepare as prepare_datamodule
 from jaxlightning.evaluation import EvaluationMixin, eval_hook, shard_shapes
 from jaxlightning.loggers import Logger, TensorBoardLogger
 from jaxlightning.module import JaxModule
@@ -114,7 +116,8 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
             that a bug in ``eval_step`` shows before an epoch of training
             rather than after it. Also compiles the eval step ahead.
         default_root_dir: where logs go (default: the working directory).
-        logger: ``True`` for a `TensorBoardLogger`, ``False`` for none, or a `Logger`.
+        logger: ``True`` for a `TensorBoardLogger`, ``False`` for none, a
+            `Logger`, or a list of them (each gets every value).
         enable_progress_bar: show tqdm bars.
         seed: seeds initialisation, every per-device, per-step key, and the
             order of shuffled DataLoaders (seeded per epoch).
@@ -148,7 +151,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         check_val_every_n_epoch: int = 1,
         num_sanity_val_steps: int = 2,
         default_root_dir: str | os.PathLike[str] | None = None,
-        logger: bool | Logger = True,
+        logger: bool | Logger | Sequence[Logger] = True,
         enable_progress_bar: bool = True,
         seed: int = 0,
         callbacks: Sequence[Callback] | Callback | None = None,
@@ -175,7 +178,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         self.strategy.setup(_resolve_devices(devices))
         if logger is True:
             logger = TensorBoardLogger(self.default_root_dir)
-        self.logger: Logger | None = logger or None
+        self.loggers: list[Logger] = _as_loggers(logger)
         if isinstance(callbacks, Callback):
             callbacks = [callbacks]
         self.callbacks: list[Callback] = list(callbacks or [])
@@ -210,6 +213,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         self._eval_fns: dict[Any, Any] = {}
         self._fit_module: JaxModule | None = None
         self._train_step: Any = None
+        self.datamodule: Any = None
 
     # ------------------------------------------------------------ properties
     @property
@@ -222,15 +226,61 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         return self.strategy.num_devices
 
     @property
+    def logger(self) -> Logger | None:
+        """The first logger (``None`` without one); `loggers` has them all."""
+        return self.loggers[0] if self.loggers else None
+
+    @property
     def log_dir(self) -> str | None:
-        return self.logger.log_dir if self.logger is not None else None
+        """The first logger's run directory (checkpoints go there by default)."""
+        return self.loggers[0].log_dir if self.loggers else None
 
     # --------------------------------------------------------------- helpers
     def _call(self, hook: str, module: JaxModule, *args: Any) -> None:
+        """The callbacks' ``hook``, in order, then the module's (Lightning's order)."""
         for callback in self.callbacks:
             fn = getattr(callback, hook, None)
             if fn is not None:
                 fn(self, module, *args)
+        if hook in _MODULE_HOOKS:
+            getattr(module, hook)(*args)
+
+    @contextlib.contextmanager
+    def _stage(self, stage: str, module: JaxModule, datamodule: Any) -> Iterator[None]:
+        """Runs a Trainer call: ``setup``/``teardown`` (always) with ``stage``, and
+        ``on_exception`` when it fails; the datamodule is prepared and set up."""
+        module._trainer = self
+        if datamodule is not None:
+            self.datamodule = datamodule
+            prepare_datamodule(datamodule, stage)
+        self._call("setup", module, stage)
+        try:
+            with self._host_threads():
+                yield
+        except BaseException as exc:
+            if not isinstance(exc, SystemExit):  # a signal's clean stop is not a failure
+                self._call("on_exception", module, exc)
+            raise
+        finally:
+            self._call("teardown", module, stage)
+            if datamodule is not None and hasattr(datamodule, "teardown"):
+                datamodule.teardown(stage)
+
+    def _log_host(self, name: str, value: Any, *, prog_bar: bool, logger: bool) -> None:
+        """``self.log`` from a module's host-side hook: logged at once, as named."""
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"self.log({name!r}, ...) in a host-side hook got a {type(value).__name__}; "
+                "log a number"
+            ) from None
+        values = Report(values={name: number})
+        if logger:
+            values.logged[name] = number
+        if prog_bar:
+            values.bar[name] = number
+        self._publish(values)
 
     def _host_threads(self) -> Any:
         """One torch thread for in-process loading while XLA computes on the CPU."""
@@ -351,9 +401,10 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
     def fit(
         self,
         module: JaxModule,
-        train_dataloaders: Iterable[Any],
+        train_dataloaders: Iterable[Any] | None = None,
         val_dataloaders: Iterable[Any] | Sequence[Iterable[Any]] | None = None,
         *,
+        datamodule: Any = None,
         ckpt_path: str | os.PathLike[str] | None = None,
     ) -> None:
         """Trains ``module``; validates on ``val_dataloaders`` per the schedule.
@@ -362,13 +413,23 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
             module: the model.
             train_dataloaders: the training batches (a DataLoader, usually).
             val_dataloaders: one loader or a list, or ``None``.
+            datamodule: instead of the loaders, a `DataModule` (or a Lightning
+                ``LightningDataModule``) whose ``train_dataloader`` and, if it
+                has one, ``val_dataloader`` are used.
             ckpt_path: resume from a checkpoint: ``"last"``, ``"best"`` or a
                 checkpoint folder. The run continues exactly where it stopped,
                 mid-epoch included. A run that has nothing left to do (its
                 checkpoint is at ``max_epochs``, say) just loads the
                 checkpoint's variables into ``module`` and says so.
         """
-        with self._host_threads():
+        with self._stage("fit", module, datamodule):
+            if datamodule is not None:
+                if train_dataloaders is not None or val_dataloaders is not None:
+                    raise ValueError("pass either dataloaders or datamodule= to fit, not both")
+                train_dataloaders = datamodule_loaders(datamodule, "train", required=True)
+                val_dataloaders = datamodule_loaders(datamodule, "validation", required=False)
+            if train_dataloaders is None:
+                raise TypeError("fit needs train_dataloaders (or datamodule=...)")
             self._fit(module, train_dataloaders, val_dataloaders, ckpt_path)
 
     def _fit(
@@ -417,6 +478,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
             self._progress = (self.current_epoch, skip)
             self._fit_loop(module, train_dataloaders, val_dataloaders, batches, skip, acc0)
         module.variables = self.strategy.unreplicate(self._state).variables
+        self._call("on_train_end", module)
         self._call("on_fit_end", module)
 
     def _first_batch(self, loader: Iterable[Any]) -> DeviceBatch:
@@ -461,7 +523,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         if resume is not None:
             restored = restore(resume, {"state": state, "acc": acc0})
             state, acc = restored["state"], restored["acc"]
-            self._load_callback_states(meta.get("callbacks", {}) if meta else {})
+            self._load_states(module, meta or {})
         self._state = self.strategy.replicate(state)
         self._acc = self.strategy.replicate(acc)
         self._eval_fns.clear()
@@ -480,8 +542,9 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         acc0: TrainMetrics,
     ) -> None:
         _ = self.log_dir  # fixes the run directory on every process at once
-        if self.logger is not None and module.hparams and skip == 0 and self.global_step == 0:
-            self.logger.log_hyperparams(module.hparams)
+        if module.hparams and skip == 0 and self.global_step == 0:
+            for logger in self.loggers:
+                logger.log_hyperparams(module.hparams)
         epochs = (
             range(self.current_epoch, self.max_epochs)
             if self.max_epochs is not None
@@ -491,6 +554,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
             with self._stop_request:
                 self._call("on_fit_start", module)
                 self._sanity_check(module, val_dataloaders)
+                self._call("on_train_start", module)
                 for epoch in epochs:
                     if self._step_limit_reached():
                         break
@@ -514,13 +578,9 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
                         self.current_epoch = epoch + 1
                     if self.should_stop:
                         break
-        except BaseException:
-            self._call("teardown", module)
-            raise
         finally:
             self._drain()
-            if self.logger is not None:
-                self.logger.finalize()
+            self._finalize_loggers()
 
     def _train_epoch(
         self,
@@ -540,6 +600,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
             if self.should_stop or self._stop_signal or self._step_limit_reached():
                 self.should_stop = True
                 return
+            self._call("on_train_batch_start", module, batch_idx)
             self._state, self._acc = self._train_step(
                 self._state, self._acc, batch.data, batch.mask
             )
@@ -676,8 +737,43 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         self.progress_bar_metrics = {**self.progress_bar_metrics, **values.bar}
         if values.logged:
             self.logged_metrics = {**values.logged, "epoch": float(self.current_epoch)}
-            if self.logger is not None:
-                self.logger.log_metrics(self.logged_metrics, step=self.global_step)
+            for logger in self.loggers:
+                logger.log_metrics(self.logged_metrics, step=self.global_step)
+
+    def _finalize_loggers(self) -> None:
+        for logger in self.loggers:
+            logger.finalize()
+
+
+# JaxModule hooks the Trainer calls after the callbacks' hooks of the same name.
+_MODULE_HOOKS = frozenset(
+    {
+        "on_fit_start",
+        "on_fit_end",
+        "on_train_start",
+        "on_train_end",
+        "on_train_epoch_start",
+        "on_train_epoch_end",
+        "on_validation_epoch_start",
+        "on_validation_epoch_end",
+        "on_test_epoch_start",
+        "on_test_epoch_end",
+        "on_save_checkpoint",
+        "on_load_checkpoint",
+    }
+)
+
+
+def _as_loggers(logger: Any) -> list[Logger]:
+    loggers = list(logger) if isinstance(logger, (list, tuple)) else [logger]
+    loggers = [lg for lg in loggers if lg is not None and lg is not False]
+    for lg in loggers:
+        if not isinstance(lg, Logger):
+            raise TypeError(
+                f"logger={lg!r}: use True (TensorBoard), False, a jaxlightning Logger "
+                "(TensorBoardLogger, CSVLogger, ...) or a list of them"
+            )
+    return loggers
 
 
 def _as_list(loaders: Any) -> list[Any]:

@@ -89,7 +89,7 @@ def test_log_of_wrong_shape_is_named():
 
 
 def test_log_outside_traced_hook_is_explained():
-    with pytest.raises(RuntimeError, match="outside a traced hook"):
+    with pytest.raises(RuntimeError, match="was called outside the Trainer"):
         LitMLP().log("acc", 1.0)
 
 

@@ -265,7 +265,7 @@ def test_lightning_hooks_on_a_module_warn_with_the_equivalent():
         def training_step(self, batch, batch_idx):
             raise AssertionError("never called")
 
-        def on_train_epoch_end(self):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
             raise AssertionError("never called")
 
     with pytest.warns(UserWarning) as caught:
@@ -273,7 +273,7 @@ def test_lightning_hooks_on_a_module_warn_with_the_equivalent():
     messages = [str(w.message) for w in caught]
     assert any("Ported.training_step() is a PyTorch Lightning hook" in m for m in messages)
     assert any("define loss(self, variables, batch, rngs)" in m for m in messages)
-    assert any("Ported.on_train_epoch_end()" in m and "Callback" in m for m in messages)
+    assert any("Ported.on_train_batch_end()" in m and "Callback" in m for m in messages)
 
 
 @pytest.mark.parametrize(

@@ -15,36 +15,67 @@ class Callback:
     Hooks run on the host between dispatched steps, so keep them cheap: reading
     ``trainer.callback_metrics`` is free (values were fetched at the last
     logging interval), while touching ``trainer.state`` forces a device sync.
+    For each hook the callbacks run first, in order, then the module's hook of
+    the same name where the module has one (`JaxModule` lists them).
 
-    Order within `fit`: ``on_fit_start``; per epoch ``on_train_epoch_start``,
-    ``on_train_batch_end`` after each step is dispatched, ``on_train_epoch_end``
-    (after that epoch's validation, if any); ``on_fit_end``. Each evaluation
-    stage (``validation``, ``test``, ``predict``) calls ``on_<stage>_start``,
-    ``on_<stage>_batch_end`` and ``on_<stage>_end``. A ``fit`` that ends by an
-    exception or a signal calls ``teardown`` instead of ``on_fit_end``.
+    Order within `fit`: ``setup("fit")``, ``on_fit_start``, (the sanity check:
+    no hooks), ``on_train_start``; per epoch ``on_train_epoch_start``, per step
+    ``on_train_batch_start`` before it is dispatched and ``on_train_batch_end``
+    after, the epoch's validation, ``on_train_epoch_end``; then
+    ``on_train_end``, ``on_fit_end`` and ``teardown("fit")``. Each evaluation
+    (``validation``, ``test``) calls ``on_<stage>_start``,
+    ``on_<stage>_epoch_start``, ``on_<stage>_batch_end`` per batch,
+    ``on_<stage>_epoch_end`` and ``on_<stage>_end``; its values are in
+    ``trainer.callback_metrics`` from ``on_<stage>_epoch_end`` on. `validate`,
+    `test` and `predict` are wrapped in ``setup``/``teardown`` with their stage
+    (``"validate"``, ``"test"``, ``"predict"``). A call that fails calls
+    ``on_exception``, then ``teardown`` (which always runs). A checkpoint's
+    JSON record passes through ``on_save_checkpoint`` (add JSON-serialisable
+    entries to it) and, when a run resumes, ``on_load_checkpoint``.
 
     A stateful callback returns its state from `state_dict`; it is saved in
     checkpoints and handed back to `load_state_dict` when a run resumes.
     """
 
+    def setup(self, trainer: Trainer, module: JaxModule, stage: str) -> None: ...
+    def teardown(self, trainer: Trainer, module: JaxModule, stage: str) -> None:
+        """Called at the end of every stage, also when it fails; release resources."""
+
     def on_fit_start(self, trainer: Trainer, module: JaxModule) -> None: ...
     def on_fit_end(self, trainer: Trainer, module: JaxModule) -> None: ...
+    def on_train_start(self, trainer: Trainer, module: JaxModule) -> None: ...
+    def on_train_end(self, trainer: Trainer, module: JaxModule) -> None: ...
     def on_train_epoch_start(self, trainer: Trainer, module: JaxModule) -> None: ...
+    def on_train_batch_start(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None: ...
     def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None: ...
     def on_train_epoch_end(self, trainer: Trainer, module: JaxModule) -> None: ...
     def on_validation_start(self, trainer: Trainer, module: JaxModule) -> None: ...
+    def on_validation_epoch_start(self, trainer: Trainer, module: JaxModule) -> None: ...
     def on_validation_batch_end(
         self, trainer: Trainer, module: JaxModule, batch_idx: int
     ) -> None: ...
+    def on_validation_epoch_end(self, trainer: Trainer, module: JaxModule) -> None: ...
     def on_validation_end(self, trainer: Trainer, module: JaxModule) -> None: ...
     def on_test_start(self, trainer: Trainer, module: JaxModule) -> None: ...
+    def on_test_epoch_start(self, trainer: Trainer, module: JaxModule) -> None: ...
     def on_test_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None: ...
+    def on_test_epoch_end(self, trainer: Trainer, module: JaxModule) -> None: ...
     def on_test_end(self, trainer: Trainer, module: JaxModule) -> None: ...
     def on_predict_start(self, trainer: Trainer, module: JaxModule) -> None: ...
     def on_predict_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None: ...
     def on_predict_end(self, trainer: Trainer, module: JaxModule) -> None: ...
-    def teardown(self, trainer: Trainer, module: JaxModule) -> None:
-        """Called when ``fit`` ends by an exception or a signal; release resources."""
+    def on_exception(self, trainer: Trainer, module: JaxModule, exception: BaseException) -> None:
+        """Called when a stage fails, before ``teardown``."""
+
+    def on_save_checkpoint(
+        self, trainer: Trainer, module: JaxModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """``checkpoint`` is the JSON record being saved; entries added to it are kept."""
+
+    def on_load_checkpoint(
+        self, trainer: Trainer, module: JaxModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """``checkpoint`` is the JSON record of the checkpoint a run resumes from."""
 
     def state_dict(self) -> dict[str, Any]:
         """State to store in checkpoints (JSON-serialisable); empty if stateless."""

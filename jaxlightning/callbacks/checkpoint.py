@@ -140,9 +140,12 @@ class ModelCheckpoint(Callback):
             self.save(trainer, module)
         self.finish(prune=True)
 
-    def teardown(self, trainer: Trainer, module: JaxModule) -> None:
-        # fit is failing already: a failed pending save is reported as a warning,
-        # and only complete checkpoints take part in pruning.
+    def teardown(self, trainer: Trainer, module: JaxModule, stage: str) -> None:
+        # After on_fit_end this finds nothing to do. When fit is failing, a failed
+        # pending save is reported as a warning (the first error is the one to
+        # see), and only complete checkpoints take part in pruning.
+        if stage != "fit":
+            return
         try:
             self.finish(prune=True)
         except CheckpointError as exc:

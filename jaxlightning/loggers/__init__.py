@@ -1,4 +1,5 @@
 """Loggers: where host-side metric values go."""
 
 from jaxlightning.loggers.base import Logger as Logger
+from jaxlightning.loggers.csv import CSVLogger as CSVLogger
 from jaxlightning.loggers.tensorboard import TensorBoardLogger as TensorBoardLogger

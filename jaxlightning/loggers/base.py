@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import abc
+import os
+import re
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
+
+from jaxlightning import distributed
+
+_VERSION_DIR = re.compile(r"version_(\d+)")
 
 
 class Logger(abc.ABC):
     """Receives host-side metric values; never sees device arrays.
 
     Contract: `log_hyperparams` is called once at the start of `fit`;
-    `log_metrics` at each train logging interval and after each validation,
-    with floats and the global step; `resume_in` first when `fit` resumes from a
-    checkpoint, with the run directory it recorded; `finalize` once at the end of `fit`,
-    `validate` or `test`, after which the logger may be used again.
+    `log_metrics` at each train logging interval, at each epoch's end and after
+    each validation or test, with floats and the global step; `resume_in` first
+    when `fit` resumes from a checkpoint, with the run directory it recorded;
+    `finalize` once at the end of `fit`, `validate` or `test`, after which the
+    logger may be used again. In a multi-process run every process calls them;
+    loggers write on process 0 only.
     """
 
     @property
@@ -33,3 +43,58 @@ class Logger(abc.ABC):
 
     def finalize(self) -> None:  # noqa: B027 - optional hook
         """Flushes pending output."""
+
+    @property
+    def experiment(self) -> Any:
+        """The underlying writer, for what `log_metrics` does not cover (images,
+        histograms, text); ``None`` on processes that write nothing."""
+        return None
+
+
+def next_version(root: str) -> int:
+    """The first ``version_N`` number not taken under ``root``."""
+    if not os.path.isdir(root):
+        return 0
+    found = [_VERSION_DIR.fullmatch(d) for d in os.listdir(root)]
+    return max((int(m.group(1)) + 1 for m in found if m), default=0)
+
+
+class VersionedLogger(Logger):
+    """A logger writing into ``{save_dir}/{name}/version_{N}/``, Lightning's layout.
+
+    The version is the next free one, chosen when first needed, so every run
+    gets its own folder; process 0 picks it for every process.
+
+    Args:
+        save_dir: the root folder.
+        name: the experiment folder under it.
+        version: a fixed version number instead of the next free one.
+    """
+
+    def __init__(self, save_dir: str, name: str = "lightning_logs", version: int | None = None):
+        self.save_dir = os.fspath(save_dir)
+        self.name = name
+        self._version = version
+
+    def resume_in(self, log_dir: str) -> None:
+        """Logs into ``log_dir`` when it is one of this logger's version folders and
+        no version is fixed yet, so a resumed run stays one run."""
+        if self._version is not None:
+            return
+        parent, leaf = os.path.split(os.path.abspath(log_dir))
+        match = _VERSION_DIR.fullmatch(leaf)
+        if match and parent == os.path.abspath(os.path.join(self.save_dir, self.name)):
+            self._version = int(match.group(1))
+
+    @property
+    def version(self) -> int:
+        if self._version is None:
+            # Process 0 picks it; in a multi-process run every process must ask at
+            # the same point (the Trainer does, at the start of each run).
+            version = next_version(os.path.join(self.save_dir, self.name))
+            self._version = int(distributed.broadcast(np.int32(version)))
+        return self._version
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self.save_dir, self.name, f"version_{self.version}")

@@ -4,42 +4,33 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summary
 
 from jaxlightning import distributed
-from jaxlightning.loggers.base import Logger
+from jaxlightning.loggers.base import VersionedLogger
 
-_VERSION_DIR = re.compile(r"version_(\d+)")
 # tensorboardX names event files by the second they were opened in; a file
 # opened again in the same second (fit, then validate) would overwrite the
 # first. This suffix makes every writer's file name unique.
 _WRITER_COUNT = itertools.count()
 
 
-def _next_version(root: str) -> int:
-    if not os.path.isdir(root):
-        return 0
-    found = [_VERSION_DIR.fullmatch(d) for d in os.listdir(root)]
-    return max((int(m.group(1)) + 1 for m in found if m), default=0)
-
-
 def _hparam_value(v: Any) -> bool | int | float | str:
     return v if isinstance(v, (bool, int, float, str)) else str(v)
 
 
-class TensorBoardLogger(Logger):
+class TensorBoardLogger(VersionedLogger):
     """Writes scalars and hparams to ``{save_dir}/{name}/version_{N}/``.
 
     The version is the next free one, chosen when the writer is first needed,
     so every run gets its own directory. In a multi-process run only process 0
-    writes. Open it with
-    ``tensorboard --logdir {save_dir}/{name}``.
+    writes. Open it with ``tensorboard --logdir {save_dir}/{name}``.
+    `experiment` is the tensorboardX ``SummaryWriter``, for images, histograms
+    and text: ``trainer.logger.experiment.add_histogram(...)``.
 
     Args:
         save_dir: the root folder.
@@ -48,33 +39,12 @@ class TensorBoardLogger(Logger):
     """
 
     def __init__(self, save_dir: str, name: str = "lightning_logs", version: int | None = None):
-        self.save_dir = save_dir
-        self.name = name
-        self._version = version
+        super().__init__(save_dir, name, version)
         self._writer: SummaryWriter | None = None
 
-    def resume_in(self, log_dir: str) -> None:
-        """Logs into ``log_dir`` when it is one of this logger's version folders and
-        no version is fixed yet, so a resumed run stays one run in TensorBoard."""
-        if self._version is not None:
-            return
-        parent, leaf = os.path.split(os.path.abspath(log_dir))
-        match = _VERSION_DIR.fullmatch(leaf)
-        if match and parent == os.path.abspath(os.path.join(self.save_dir, self.name)):
-            self._version = int(match.group(1))
-
     @property
-    def version(self) -> int:
-        if self._version is None:
-            # Process 0 picks it; in a multi-process run every process must ask at
-            # the same point (the Trainer does, at the start of each run).
-            version = _next_version(os.path.join(self.save_dir, self.name))
-            self._version = int(distributed.broadcast(np.int32(version)))
-        return self._version
-
-    @property
-    def log_dir(self) -> str:
-        return os.path.join(self.save_dir, self.name, f"version_{self.version}")
+    def experiment(self) -> SummaryWriter | None:
+        return self.writer
 
     @property
     def writer(self) -> SummaryWriter | None:

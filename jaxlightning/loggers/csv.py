@@ -1,0 +1,96 @@
+"""Metrics to a CSV file and hyperparameters to YAML, in Lightning's layout."""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from jaxlightning import distributed
+from jaxlightning.loggers.base import VersionedLogger
+
+
+class CSVLogger(VersionedLogger):
+    """Writes ``metrics.csv`` and ``hparams.yaml`` into ``{save_dir}/{name}/version_{N}/``.
+
+    One row per `log_metrics` call: a ``step`` column and one column per metric
+    name (empty where a row does not have it), as Lightning's `CSVLogger`
+    writes it. Rows are buffered and written every ``flush_logs_every_n_steps``
+    rows and at `finalize`; a name seen for the first time rewrites the file
+    with the wider header. Only process 0 writes. `experiment` is the logger
+    itself.
+
+    Args:
+        save_dir: the root folder.
+        name: the experiment folder under it.
+        version: a fixed version number instead of the next free one.
+        flush_logs_every_n_steps: rows buffered before they are written.
+    """
+
+    def __init__(
+        self,
+        save_dir: str,
+        name: str = "lightning_logs",
+        version: int | None = None,
+        flush_logs_every_n_steps: int = 100,
+    ) -> None:
+        super().__init__(save_dir, name, version)
+        self.flush_logs_every_n_steps = flush_logs_every_n_steps
+        self._rows: list[dict[str, Any]] = []
+        self._header: list[str] = []
+
+    @property
+    def metrics_file_path(self) -> str:
+        return os.path.join(self.log_dir, "metrics.csv")
+
+    @property
+    def experiment(self) -> CSVLogger | None:
+        return self if distributed.is_rank_zero() else None
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        if not distributed.is_rank_zero():
+            return
+        os.makedirs(self.log_dir, exist_ok=True)
+        plain = {
+            k: v if isinstance(v, (bool, int, float, str)) else repr(v) for k, v in params.items()
+        }
+        with open(os.path.join(self.log_dir, "hparams.yaml"), "w") as f:
+            yaml.safe_dump(plain, f)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        if not distributed.is_rank_zero():
+            return
+        self._rows.append({"step": step, **metrics})
+        if len(self._rows) >= self.flush_logs_every_n_steps:
+            self.save()
+
+    def save(self) -> None:
+        """Writes the buffered rows."""
+        if not self._rows:
+            return
+        os.makedirs(self.log_dir, exist_ok=True)
+        path = self.metrics_file_path
+        if not self._header and os.path.exists(path):  # a resumed run: continue the file
+            with open(path, newline="") as f:
+                self._header = next(csv.reader(f), [])
+        new = [k for row in self._rows for k in row if k not in self._header]
+        if new:
+            self._header += list(dict.fromkeys(new))
+            old = []
+            if os.path.exists(path):
+                with open(path, newline="") as f:
+                    old = list(csv.DictReader(f))
+            with open(path, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=self._header)
+                writer.writeheader()
+                writer.writerows(old + self._rows)
+        else:
+            with open(path, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=self._header).writerows(self._rows)
+        self._rows = []
+
+    def finalize(self) -> None:
+        self.save()
