@@ -1,0 +1,275 @@
+"""Module and callback hooks in Lightning's order; DataModules, Lightning's included."""
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset, random_split
+
+import jaxlightning as jl
+from tests.helpers import LitMLP, digits, loader, quiet_trainer
+
+CALLBACK_HOOKS = [
+    "setup",
+    "teardown",
+    "on_fit_start",
+    "on_fit_end",
+    "on_train_start",
+    "on_train_end",
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_train_epoch_end",
+    "on_validation_start",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+    "on_validation_end",
+    "on_test_start",
+    "on_test_epoch_start",
+    "on_test_epoch_end",
+    "on_test_end",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+    "on_exception",
+]
+MODULE_HOOKS = [
+    "on_fit_start",
+    "on_fit_end",
+    "on_train_start",
+    "on_train_end",
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+    "on_test_epoch_start",
+    "on_test_epoch_end",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+]
+
+
+class Record(jl.Callback):
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getattribute__(self, name):
+        if name in CALLBACK_HOOKS:
+            calls = object.__getattribute__(self, "calls")
+
+            def hook(trainer, module, *args):
+                extra = f"({args[0]})" if name in ("setup", "teardown") else ""
+                calls.append(f"cb.{name}{extra}")
+
+            return hook
+        return object.__getattribute__(self, name)
+
+
+class HookedModule(LitMLP):
+    def __init__(self, calls, **kw):
+        super().__init__(**kw)
+        self.calls = calls
+
+    def __getattribute__(self, name):
+        if name in MODULE_HOOKS:
+            calls = object.__getattribute__(self, "calls")
+            return lambda *args: calls.append(f"module.{name}")
+        return object.__getattribute__(self, name)
+
+
+def _epoch(val=True, save=True):
+    steps = ["cb.on_train_batch_start", "cb.on_train_batch_end"] * 2
+    validation = [
+        "cb.on_validation_start",
+        "cb.on_validation_epoch_start",
+        "module.on_validation_epoch_start",
+        "cb.on_validation_epoch_end",
+        "module.on_validation_epoch_end",
+        "cb.on_validation_end",
+    ]
+    return [
+        "cb.on_train_epoch_start",
+        "module.on_train_epoch_start",
+        *steps,
+        *(validation if val else []),
+        "cb.on_train_epoch_end",
+        # the default ModelCheckpoint, a callback after Record, saves here
+        *(["cb.on_save_checkpoint", "module.on_save_checkpoint"] if save else []),
+        "module.on_train_epoch_end",
+    ]
+
+
+def test_hooks_run_in_the_documented_order_through_fit_validate_test_and_resume(tmp_path):
+    calls = []
+    x, y = digits(32)
+    train, val = loader(x, y, 16), loader(x, y, 16)  # 2 steps per epoch
+
+    def trainer(max_epochs):
+        ckpt = jl.ModelCheckpoint()
+        return quiet_trainer(
+            max_epochs=max_epochs, default_root_dir=tmp_path, callbacks=[Record(calls), ckpt]
+        )
+
+    first = trainer(2)
+    module = HookedModule(calls)
+    first.fit(module, train, val)
+    fit_start = ["cb.setup(fit)", "cb.on_fit_start", "module.on_fit_start"]
+    fit_start += ["cb.on_train_start", "module.on_train_start"]
+    fit_end = ["cb.on_train_end", "module.on_train_end", "cb.on_fit_end", "module.on_fit_end"]
+    expected = [*fit_start, *_epoch(), *_epoch(), *fit_end, "cb.teardown(fit)"]
+    assert calls == expected
+
+    calls.clear()
+    first.validate(module, val)
+    first.test(module, val)
+    assert calls == [
+        "cb.setup(validate)",
+        "cb.on_validation_start",
+        "cb.on_validation_epoch_start",
+        "module.on_validation_epoch_start",
+        "cb.on_validation_epoch_end",
+        "module.on_validation_epoch_end",
+        "cb.on_validation_end",
+        "cb.teardown(validate)",
+        "cb.setup(test)",
+        "cb.on_test_start",
+        "cb.on_test_epoch_start",
+        "module.on_test_epoch_start",
+        "cb.on_test_epoch_end",
+        "module.on_test_epoch_end",
+        "cb.on_test_end",
+        "cb.teardown(test)",
+    ]
+
+    calls.clear()
+    trainer(3).fit(HookedModule(calls), train, val, ckpt_path="last")
+    resumed = ["cb.setup(fit)", "cb.on_load_checkpoint", "module.on_load_checkpoint"]
+    resumed += fit_start[1:]
+    assert calls == [*resumed, *_epoch(), *fit_end, "cb.teardown(fit)"]
+
+
+def test_a_failing_fit_calls_on_exception_then_teardown():
+    calls = []
+
+    class Boom(jl.Callback):
+        def on_train_batch_end(self, trainer, module, batch_idx):
+            raise RuntimeError("boom")
+
+    x, y = digits(32)
+    with pytest.raises(RuntimeError, match="boom"):
+        quiet_trainer(max_epochs=1, callbacks=[Record(calls), Boom()]).fit(
+            LitMLP(), loader(x, y, 16)
+        )
+    assert calls[-2:] == ["cb.on_exception", "cb.teardown(fit)"]
+
+
+def test_module_sees_its_trainer_and_checkpoint_hooks_carry_extra_state(tmp_path):
+    class Stateful(LitMLP):
+        def on_train_epoch_end(self):
+            assert self.trainer.current_epoch == self.current_epoch
+            self.log("epoch_end_step", float(self.global_step))
+
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["my_counter"] = self.global_step * 10
+
+        def on_load_checkpoint(self, checkpoint):
+            self.loaded = checkpoint["my_counter"]
+
+    x, y = digits(32)
+    first = quiet_trainer(max_epochs=1, default_root_dir=tmp_path, enable_checkpointing=True)
+    module = Stateful()
+    first.fit(module, loader(x, y, 16))
+    assert first.callback_metrics["epoch_end_step"] == 2.0
+    again = Stateful()
+    quiet_trainer(max_epochs=2, default_root_dir=tmp_path, enable_checkpointing=True).fit(
+        again, loader(x, y, 16), ckpt_path="last"
+    )
+    assert again.loaded == 20
+    with pytest.raises(RuntimeError, match="not attached to a Trainer"):
+        _ = LitMLP().trainer
+
+
+def test_checkpoint_hooks_must_add_json(tmp_path):
+    class Unsaveable(LitMLP):
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["fn"] = print
+
+    x, y = digits(32)
+    trainer = quiet_trainer(max_epochs=1, default_root_dir=tmp_path, enable_checkpointing=True)
+    with pytest.raises(TypeError, match="on_save_checkpoint hooks and state_dict methods"):
+        trainer.fit(Unsaveable(), loader(x, y, 16))
+
+
+class DigitsDataModule(L.LightningDataModule):
+    """The shape of the DataModule in Lightning's docs, on digits instead of MNIST."""
+
+    def __init__(self, batch_size: int = 32):
+        super().__init__()
+        self.batch_size = batch_size
+        self.stages = []
+
+    def prepare_data(self):
+        self.prepared = True  # the docs download here
+
+    def setup(self, stage: str):
+        self.stages.append(stage)
+        x, y = digits(400)
+        full = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+        if stage == "fit":
+            gen = torch.Generator().manual_seed(42)
+            self.train_set, self.val_set = random_split(full, [300, 100], generator=gen)
+        if stage == "test":
+            self.test_set = TensorDataset(*(torch.from_numpy(a) for a in digits(64, 1000)))
+        if stage == "predict":
+            self.predict_set = TensorDataset(*(torch.from_numpy(a) for a in digits(40, 1000)))
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(self.test_set, batch_size=self.batch_size)
+
+    def predict_dataloader(self):
+        return DataLoader(self.predict_set, batch_size=self.batch_size)
+
+
+def test_a_lightning_datamodule_works_as_datamodule():
+    dm = DigitsDataModule()
+    model = LitMLP(lr=1e-2)
+    trainer = quiet_trainer(max_epochs=3)
+    trainer.fit(model, datamodule=dm)
+    assert dm.prepared and trainer.datamodule is dm
+    assert trainer.global_step == 3 * 10 and "val/acc" in trainer.callback_metrics
+    (result,) = trainer.test(model, datamodule=dm)
+    out = trainer.predict(model, datamodule=dm)
+    assert out["logits"].shape == (40, 10) and 0 <= result["test/acc"] <= 1
+    assert dm.stages == ["fit", "test", "predict"]
+
+
+def test_a_jaxlightning_datamodule_state_is_checkpointed(tmp_path):
+    class Counting(jl.DataModule):
+        def __init__(self):
+            self.resumed_from = None
+
+        def train_dataloader(self):
+            return loader(*digits(32), 16)
+
+        def state_dict(self):
+            return {"epochs_seen": 7}
+
+        def load_state_dict(self, state):
+            self.resumed_from = state
+
+    def run(max_epochs, **kw):
+        dm = Counting()
+        trainer = quiet_trainer(
+            max_epochs=max_epochs, default_root_dir=tmp_path, enable_checkpointing=True
+        )
+        trainer.fit(LitMLP(), datamodule=dm, **kw)
+        return dm
+
+    assert run(1).resumed_from is None
+    assert run(2, ckpt_path="last").resumed_from == {"epochs_seen": 7}
+    with pytest.raises(TypeError, match="defines no test_dataloader"):
+        quiet_trainer().test(LitMLP(), datamodule=Counting())
