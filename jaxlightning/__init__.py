@@ -14,6 +14,7 @@ from jaxlightning.loggers import Logger as Logger
 from jaxlightning.loggers import TensorBoardLogger as TensorBoardLogger
 from jaxlightning.module import AttributeDict as AttributeDict
 from jaxlightning.module import JaxModule as JaxModule
+from jaxlightning.seed import seed_everything as seed_everything
 from jaxlightning.state import TrainState as TrainState
 from jaxlightning.step import AXIS as AXIS
 from jaxlightning.strategies import PmapStrategy as PmapStrategy

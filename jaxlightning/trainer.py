@@ -34,6 +34,7 @@ from jaxlightning.module import JaxModule
 from jaxlightning.reporting import Report, report
 from jaxlightning.resume import CheckpointingMixin
 from jaxlightning.sampling import common_num_batches, epoch_loader
+from jaxlightning.seed import default_seed
 from jaxlightning.signals import StopRequest
 from jaxlightning.state import TrainState, create_train_state
 from jaxlightning.step import TrainMetrics, build_train_step, checked_setup, zero_train_metrics
@@ -120,7 +121,8 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
             `Logger`, or a list of them (each gets every value).
         enable_progress_bar: show tqdm bars.
         seed: seeds initialisation, every per-device, per-step key, and the
-            order of shuffled DataLoaders (seeded per epoch).
+            order of shuffled DataLoaders (seeded per epoch); default: the seed
+            of `jl.seed_everything`, else 0.
         callbacks: `Callback` instances, called in order.
         enable_checkpointing: add a default `ModelCheckpoint` (checkpoint after
             every epoch, keep the last) unless ``callbacks`` has one.
@@ -153,7 +155,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         default_root_dir: str | os.PathLike[str] | None = None,
         logger: bool | Logger | Sequence[Logger] = True,
         enable_progress_bar: bool = True,
-        seed: int = 0,
+        seed: int | None = None,
         callbacks: Sequence[Callback] | Callback | None = None,
         enable_checkpointing: bool = True,
         stop_on_nonfinite_loss: bool = True,
@@ -169,6 +171,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         self.num_sanity_val_steps = checks.int_arg(
             "num_sanity_val_steps", num_sanity_val_steps, minimum=-1, hint=" (-1: all batches)"
         )
+        seed = default_seed() if seed is None else seed
         self.seed = checks.int_arg("seed", seed, minimum=0)
         self.default_root_dir = os.fspath(default_root_dir or os.getcwd())
         distributed.initialize(num_nodes)  # before anything touches the devices

@@ -273,3 +273,21 @@ def test_a_jaxlightning_datamodule_state_is_checkpointed(tmp_path):
     assert run(2, ckpt_path="last").resumed_from == {"epochs_seen": 7}
     with pytest.raises(TypeError, match="defines no test_dataloader"):
         quiet_trainer().test(LitMLP(), datamodule=Counting())
+
+
+def test_seed_everything_seeds_python_numpy_torch_and_trainers():
+    import random
+
+    import numpy as np
+
+    jl.seed_everything(123, workers=True)
+    drawn = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(123), np.random.seed(123), torch.manual_seed(123)
+    assert drawn == (random.random(), np.random.rand(), torch.rand(1).item())
+    try:
+        assert quiet_trainer().seed == 123
+        assert quiet_trainer(seed=4).seed == 4
+    finally:
+        jl.seed_everything(0)
+    with pytest.raises(ValueError, match=r"seed_everything\(seed=-3\)"):
+        jl.seed_everything(-3)
