@@ -10,10 +10,12 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import optax
+
+from jaxlightning.optimizers import ALL, Groups, by_group
 
 
 def int_arg(name: str, value: Any, *, minimum: int, hint: str = "") -> int:
@@ -38,21 +40,43 @@ def epoch_limit(max_epochs: Any, max_steps: Any) -> tuple[int | None, int]:
     return (None if max_epochs == -1 else max_epochs), max_steps
 
 
-def optimizer(module: Any) -> optax.GradientTransformation:
-    """The optax transformation ``module.configure_optimizers()`` returns."""
-    tx = module.configure_optimizers()
+def optimizer(module: Any, *, manual: bool = False) -> Any:
+    """What ``module.configure_optimizers()`` returns, as the train step uses it.
+
+    One optax transformation, or a dict of them by top-level params entry
+    (`optimizers.by_group` for `JaxModule.loss`; `optimizers.Groups` for
+    manual optimization, which gets a single transformation as one group).
+    """
+    config = module.configure_optimizers()
+    if isinstance(config, Mapping) and config:
+        for key, tx in config.items():
+            if not isinstance(_transformation(tx), optax.GradientTransformation):
+                raise TypeError(
+                    f"configure_optimizers() returned {type(tx).__name__} for {key!r}; the "
+                    "dict's values must be optax transformations"
+                )
+        txs = {key: _transformation(tx) for key, tx in config.items()}
+        return Groups(txs) if manual else by_group(txs)
+    tx = _transformation(config)
+    if isinstance(tx, optax.GradientTransformation):
+        return Groups({ALL: tx}) if manual else tx
+    hint = ""
+    if isinstance(config, (tuple, list)):
+        hint = (
+            " (for several optimizers return a dict {params_key: transformation}, keyed "
+            "by top-level entries of variables['params'])"
+        )
+    raise TypeError(
+        f"configure_optimizers() returned {type(config).__name__}; return an optax "
+        f"GradientTransformation such as optax.adam(1e-3){hint}"
+    )
+
+
+def _transformation(tx: Any) -> Any:
     if isinstance(tx, optax.GradientTransformation):
         return tx
     as_transform = getattr(tx, "gradient_transformation", None)
-    if callable(as_transform):  # optax.MultiSteps and other wrappers
-        return as_transform()
-    hint = ""
-    if isinstance(tx, (tuple, list, dict)):
-        hint = " (several optimizers are not supported yet: chain or partition them with optax)"
-    raise TypeError(
-        f"configure_optimizers() returned {type(tx).__name__}; return an optax "
-        f"GradientTransformation such as optax.adam(1e-3){hint}"
-    )
+    return as_transform() if callable(as_transform) else tx  # optax.MultiSteps
 
 
 def reiterable(loader: Any, name: str, *, passes: str) -> None:
@@ -67,7 +91,6 @@ def reiterable(loader: Any, name: str, *, passes: str) -> None:
 
 # Lightning hooks a ported module may still define, and what to do here instead.
 _LIGHTNING_ONLY = {
-    "training_step": "define loss(self, variables, batch, rngs) returning the loss",
     "forward": "call your flax module in loss/eval_step/predict_step",
     "training_epoch_end": "use a Callback with on_train_epoch_end(trainer, module)",
     "validation_epoch_end": "use a Callback with on_validation_end(trainer, module)",
@@ -102,6 +125,7 @@ def lightning_signatures(module: Any, hooks: tuple[str, ...]) -> None:
 
 _TRACED_SIGNATURES = {
     "loss": "self, variables, batch, rngs",
+    "training_step": "self, optimizers, batch, rngs",
     "eval_step": "self, variables, batch",
     "validation_step": "self, variables, batch",
     "test_step": "self, variables, batch",

@@ -26,7 +26,7 @@ def _is_numeric(value: Any) -> bool:
 
 
 # Hooks whose logged values are training values (per step by default).
-_TRAINING_HOOKS = ("loss",)
+_TRAINING_HOOKS = ("loss", "training_step")
 
 
 class AttributeDict(dict):
@@ -157,6 +157,25 @@ class JaxModule:
         real examples, so padded rows never count), or ``(loss, updates)`` where
         ``updates`` holds mutated collections such as ``{"batch_stats": ...}``;
         those are averaged across devices.
+        """
+        raise NotImplementedError
+
+    def training_step(self, optimizers: Any, batch: Any, rngs: dict[str, jax.Array]) -> None:
+        """Optional, instead of `loss`: manual optimization, traced, one device's shard.
+
+        Call ``optimizers.step(fn, group)`` for each update, in order; each
+        differentiates ``fn(params)`` (a loss, as `loss` returns it) with
+        respect to ``params[group]`` and applies that group's optimizer (the
+        dict `configure_optimizers` returns). Later steps see earlier updates
+        in ``optimizers.params``. Returns nothing; log with `log`. Example, a GAN:
+
+        ```python
+        def training_step(self, optimizers, batch, rngs):
+            x, z = batch
+            d_loss = optimizers.step(lambda p: self.d_loss(p, x, z), "discriminator")
+            g_loss = optimizers.step(lambda p: self.g_loss(p, z), "generator")
+            self.log_dict({"d_loss": d_loss, "g_loss": g_loss}, prog_bar=True)
+        ```
         """
         raise NotImplementedError
 

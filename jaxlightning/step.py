@@ -22,11 +22,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from clu import metrics as clu_metrics
 
 from jaxlightning.metrics import Average, LogOptions, across_devices, from_logged, zero
 from jaxlightning.module import JaxModule
+from jaxlightning.optimizers import Optimizers
 from jaxlightning.state import TrainState
 
 AXIS = "batch"
@@ -83,14 +83,28 @@ def _merge(acc: Metrics, new: Metrics, hook: str) -> Metrics:
     return {name: acc[name].merge(metric) for name, metric in new.items()}
 
 
-def _merge_train(acc: TrainMetrics, new: Metrics, step: jax.Array) -> TrainMetrics:
-    bad = jnp.where(jnp.isfinite(new["loss"].total), 0, step).astype(jnp.int32)
+def _merge_train(
+    acc: TrainMetrics, new: Metrics, step: jax.Array, finite: jax.Array, hook: str
+) -> TrainMetrics:
+    bad = jnp.where(finite, 0, step).astype(jnp.int32)
     first = jnp.where(acc.first_nonfinite > 0, acc.first_nonfinite, bad)
-    epoch = _merge(acc.epoch, {name: new[name] for name in acc.epoch if name in new}, "loss")
-    return TrainMetrics(_merge(acc.metrics, new, "loss"), epoch, first)
+    epoch = _merge(acc.epoch, {name: new[name] for name in acc.epoch if name in new}, hook)
+    return TrainMetrics(_merge(acc.metrics, new, hook), epoch, first)
 
 
-def _logged_names(module: JaxModule, hook: str, variables: Any, batch: Any, *extra: Any) -> Options:
+def is_manual(module: JaxModule) -> bool:
+    """Whether ``module`` optimizes manually (`JaxModule.training_step`)."""
+    return type(module)._overrides("training_step")
+
+
+def _logged_names(
+    module: JaxModule,
+    hook: str,
+    variables: Any,
+    batch: Any,
+    *extra: Any,
+    call: Callable[..., None] | None = None,
+) -> Options:
     """The names the hook ``hook`` logs and their options, from an abstract trace
     of the hook alone.
 
@@ -104,9 +118,9 @@ def _logged_names(module: JaxModule, hook: str, variables: Any, batch: Any, *ext
     rows = jax.tree.leaves(batch)[0].shape[0]
 
     def run(*args: Any) -> None:
-        step = jnp.zeros((), jnp.int32) if hook == "loss" else None
+        step = jnp.zeros((), jnp.int32) if hook in ("loss", "training_step") else None
         with module._collect_logs(hook, jnp.ones(rows, bool), step) as logged:
-            getattr(module, hook)(*args)
+            (call or getattr(module, hook))(*args)
         names.update({name: opts for name, (_, opts) in logged.items()})
 
     one_device = jax.vmap(run, in_axes=None, axis_name=AXIS, axis_size=1)
@@ -148,13 +162,21 @@ def checked_setup(module: JaxModule, rng: jax.Array, example: Any) -> dict[str, 
 
 
 def zero_train_metrics(
-    module: JaxModule, state: TrainState, batch: Any
+    module: JaxModule, state: TrainState, batch: Any, tx: Any
 ) -> tuple[TrainMetrics, Options]:
     """An empty `TrainMetrics` for ``module``'s logs (``batch``: one device's
     shard), and the options of every name, ``"loss"`` included."""
     rngs = {s: state.rng for s in module.rng_streams}
-    options = _logged_names(module, "loss", state.variables, batch, rngs)
-    options["loss"] = LOSS_OPTIONS
+    if is_manual(module):
+
+        def manual(state: Any, batch: Any, rngs: Any) -> None:
+            optimizers = Optimizers(tx, state, module.batch_mask, lambda tree: tree)
+            module.training_step(optimizers, batch, rngs)
+
+        options = _logged_names(module, "training_step", state, batch, rngs, call=manual)
+    else:
+        options = _logged_names(module, "loss", state.variables, batch, rngs)
+        options["loss"] = LOSS_OPTIONS
     metrics = {name: zero(opts) for name, opts in options.items()}
     epoch = {name: zero(opts) for name, opts in options.items() if opts.on_epoch}
     return TrainMetrics(metrics, epoch, np.zeros((), np.int32)), options
@@ -226,13 +248,15 @@ def _pmean_floats(summed: Any, original: Any, n_devices: int) -> Any:
 
 
 def build_train_step(
-    module: JaxModule, tx: optax.GradientTransformation
-) -> Callable[[TrainState, TrainMetrics | None, Any, jax.Array], tuple[TrainState, TrainMetrics]]:
+    module: JaxModule, tx: Any
+) -> Callable[[TrainState, TrainMetrics, Any, jax.Array], tuple[TrainState, TrainMetrics]]:
     """Per-device train step ``(state, acc, batch, mask) -> (state, acc)``.
 
     The gradient is that of the loss summed over the real examples of the global
     batch divided by their number: exact on padded batches, and equal to the
-    seeds' ``pmean`` of per-device mean gradients on full ones.
+    seeds' ``pmean`` of per-device mean gradients on full ones. A module with
+    `JaxModule.training_step` optimizes manually: ``tx`` is then the `Groups`
+    of its optimizers, and each `Optimizers.step` it calls is such an update.
     """
 
     def jl_train_step(state, acc, batch, mask):
@@ -254,9 +278,33 @@ def build_train_step(
         grads = jax.tree.map(lambda g: g / n_real, grads)
         updates = _pmean_floats(summed_updates, updates, jax.lax.axis_size(AXIS))
         new_state = state.apply_gradients(tx, grads, updates)
-        return new_state, _merge_train(acc, metrics, new_state.step)
+        finite = jnp.isfinite(metrics["loss"].total)
+        return new_state, _merge_train(acc, metrics, new_state.step, finite, "loss")
 
-    return jl_train_step
+    def jl_manual_train_step(state, acc, batch, mask):
+        rngs = device_keys(state.rng, state.step, module.rng_streams)
+
+        def reduce(tree: Any) -> Any:
+            return across_devices(AXIS, {}, tree)[0]
+
+        optimizers = Optimizers(tx, state, mask, reduce)
+        with module._collect_logs("training_step", mask, state.step) as logged:
+            out = module.training_step(optimizers, batch, rngs)
+        if out is not None:
+            raise TypeError(
+                f"training_step() returned {type(out).__name__}; it returns nothing: "
+                "update the parameters with optimizers.step(fn, group) and log with self.log"
+            )
+        if not optimizers.steps_taken:
+            raise ValueError(
+                "training_step() called no optimizers.step(...); without one nothing is trained"
+            )
+        _, metrics = across_devices(AXIS, _logged_metrics(logged, mask))
+        new_state = optimizers.state.replace(step=state.step + 1)
+        finite = optimizers.finite
+        return new_state, _merge_train(acc, metrics, new_state.step, finite, "training_step")
+
+    return jl_manual_train_step if is_manual(module) else jl_train_step
 
 
 def build_eval_step(

@@ -37,7 +37,13 @@ from jaxlightning.sampling import common_num_batches, epoch_loader
 from jaxlightning.seed import default_seed
 from jaxlightning.signals import StopRequest
 from jaxlightning.state import TrainState, create_train_state
-from jaxlightning.step import TrainMetrics, build_train_step, checked_setup, zero_train_metrics
+from jaxlightning.step import (
+    TrainMetrics,
+    build_train_step,
+    checked_setup,
+    is_manual,
+    zero_train_metrics,
+)
 from jaxlightning.strategies import Strategy, resolve_strategy
 
 
@@ -442,10 +448,17 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         val_dataloaders: Any,
         ckpt_path: str | os.PathLike[str] | None,
     ) -> None:
-        self._check_module(module, "setup", "configure_optimizers", "loss")
+        manual = is_manual(module)
+        objective = "training_step" if manual else "loss"
+        self._check_module(module, "setup", "configure_optimizers", objective)
+        if manual and type(module)._overrides("loss"):
+            raise TypeError(
+                f"{type(module).__name__} defines both loss() and training_step(); define "
+                "loss() (one update from one loss) or training_step() (manual optimization)"
+            )
         if val_dataloaders is not None:
             self._check_module(module, eval_hook(module, "validation"))
-        tx = checks.optimizer(module)
+        tx = checks.optimizer(module, manual=manual)
         if self.max_epochs != 1:
             checks.reiterable(train_dataloaders, "train_dataloaders", passes="once per epoch")
         for loader in _as_list(val_dataloaders):
@@ -509,7 +522,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         threads.callback(join_quietly, pending_state)
         rows = example.host.mask.shape[0] // self.strategy.num_local_devices
         acc0, self._train_options = zero_train_metrics(
-            module, shapes, shard_shapes(example.host.data, rows)
+            module, shapes, shard_shapes(example.host.data, rows), tx
         )
         train_step = self.strategy.compile(
             build_train_step(module, tx),

@@ -262,7 +262,7 @@ def test_should_stop_takes_effect_at_the_next_step():
 
 def test_lightning_hooks_on_a_module_warn_with_the_equivalent():
     class Ported(LitMLP):
-        def training_step(self, batch, batch_idx):
+        def on_before_backward(self, loss):
             raise AssertionError("never called")
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -271,9 +271,24 @@ def test_lightning_hooks_on_a_module_warn_with_the_equivalent():
     with pytest.warns(UserWarning) as caught:
         quiet_trainer(max_steps=1).fit(Ported(), loader(*digits(16), 8))
     messages = [str(w.message) for w in caught]
-    assert any("Ported.training_step() is a PyTorch Lightning hook" in m for m in messages)
-    assert any("define loss(self, variables, batch, rngs)" in m for m in messages)
+    assert any("Ported.on_before_backward() is a PyTorch Lightning hook" in m for m in messages)
+    assert any("transform gradients with optax" in m for m in messages)
     assert any("Ported.on_train_batch_end()" in m and "Callback" in m for m in messages)
+
+
+def test_a_lightning_training_step_signature_is_named():
+    class Ported(jl.JaxModule):
+        def setup(self, rng, batch):
+            return {"params": {}}
+
+        def configure_optimizers(self):
+            return optax.sgd(0.1)
+
+        def training_step(self, batch, batch_idx):
+            raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match=r"training_step\(batch, batch_idx\) has PyTorch"):
+        quiet_trainer(max_steps=1).fit(Ported(), loader(*digits(16), 8))
 
 
 @pytest.mark.parametrize(

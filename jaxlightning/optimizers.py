@@ -1,0 +1,141 @@
+"""Several optimizers: parameter groups, and manual optimization (GANs).
+
+``configure_optimizers`` may return one optax transformation, or a dict of
+them keyed by top-level entries of ``variables["params"]`` (the groups). With
+`JaxModule.loss`, a dict updates each group with its own transformation from
+the one loss. With `JaxModule.training_step` (manual optimization), the step
+asks for updates itself, in order, each from its own loss, through
+`Optimizers.step`: a discriminator update, then a generator update that sees
+the updated discriminator, all in one compiled program per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxlightning.state import TrainState
+
+ALL = "*"  # the one group of a single transformation in manual optimization
+
+
+def _labels(groups: Mapping[str, Any]) -> Callable[[Any], Any]:
+    def label(params: Mapping[str, Any]) -> Any:
+        check_groups(groups, params)
+        return {key: jax.tree.map(lambda _, key=key: key, value) for key, value in params.items()}
+
+    return label
+
+
+def check_groups(groups: Mapping[str, Any], params: Mapping[str, Any]) -> None:
+    """Every optimizer names a params entry, and every params entry has one."""
+    if set(groups) == {ALL}:
+        return
+    unknown, uncovered = sorted(set(groups) - set(params)), sorted(set(params) - set(groups))
+    if unknown or uncovered:
+        raise ValueError(
+            f"configure_optimizers() returned optimizers for {sorted(groups)}; each key must "
+            f"name a top-level entry of variables['params'], which has {sorted(params)}"
+            + (f" (no optimizer for {uncovered})" if uncovered else "")
+        )
+
+
+def by_group(groups: Mapping[str, optax.GradientTransformation]) -> optax.GradientTransformation:
+    """One transformation updating ``params[key]`` with ``groups[key]``."""
+    return optax.multi_transform(dict(groups), _labels(groups))
+
+
+class Groups(NamedTuple):
+    """The transformations of manual optimization; the state holds one optimizer
+    state per group (``opt_state[key]``)."""
+
+    txs: dict[str, optax.GradientTransformation]
+
+    def init(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        check_groups(self.txs, params)
+        if set(self.txs) == {ALL}:
+            return {ALL: self.txs[ALL].init(params)}
+        return {key: tx.init(params[key]) for key, tx in self.txs.items()}
+
+
+class Optimizers:
+    """What `JaxModule.training_step` receives: the current parameters and a
+    `step` per optimizer, applied in the order they are called.
+
+    Inside the traced step; the cross-device averaging is done here, exactly
+    over the real rows of the global batch, as for `JaxModule.loss`.
+
+    Attributes:
+        state: the train state, updated by each `step`.
+    """
+
+    def __init__(self, groups: Groups, state: TrainState, mask: jax.Array, reduce: Any) -> None:
+        self._txs = groups.txs
+        self.state = state
+        self._mask = mask
+        self._reduce = reduce  # (tree) -> tree summed over the devices
+        self.finite = jnp.asarray(True)
+        self.steps_taken: list[str] = []
+
+    @property
+    def params(self) -> Any:
+        """The parameters as updated by the steps so far."""
+        return self.state.params
+
+    @property
+    def variables(self) -> dict[str, Any]:
+        """``params`` with the other collections (``batch_stats``...), as updated so far."""
+        return self.state.variables
+
+    def step(self, fn: Callable[[Any], Any], group: str | None = None) -> jax.Array:
+        """One update of ``group``'s parameters (all of them with one optimizer)
+        with its optimizer, from the gradient of ``fn(params)``.
+
+        ``fn`` takes the whole current ``params`` dict and returns a loss, as
+        `JaxModule.loss` does: a scalar, a per-example vector, or
+        ``(loss, updates)`` with mutated collections. Only ``params[group]``
+        is differentiated and updated.
+
+        Returns:
+            The loss, averaged over the real rows of the global batch.
+        """
+        from jaxlightning.step import AXIS, _masked_loss_sum, _pmean_floats, _split_loss_output
+
+        if group is None:
+            if len(self._txs) != 1:
+                raise ValueError(
+                    f"optimizers.step(fn) needs group= with several optimizers: one of "
+                    f"{sorted(self._txs)}"
+                )
+            group = next(iter(self._txs))
+        if group not in self._txs:
+            raise KeyError(f"optimizers.step(group={group!r}): the groups are {sorted(self._txs)}")
+        state, everything = self.state, group == ALL
+
+        def objective(sub: Any) -> Any:
+            params = sub if everything else {**state.params, group: sub}
+            loss, updates = _split_loss_output(fn(params), state.model_state)
+            total, count = _masked_loss_sum(loss, self._mask)
+            return total, (count, updates)
+
+        own = state.params if everything else state.params[group]
+        (total, (count, updates)), grads = jax.value_and_grad(objective, has_aux=True)(own)
+        grads, total, count, summed = self._reduce((grads, total, count, updates))
+        grads = jax.tree.map(lambda g: g / count, grads)
+        updates = _pmean_floats(summed, updates, jax.lax.axis_size(AXIS))
+        deltas, opt_state = self._txs[group].update(grads, state.opt_state[group], own)
+        new_own = optax.apply_updates(own, deltas)
+        model_state = {**state.model_state, **updates}
+        self.state = state.replace(
+            params=new_own if everything else {**state.params, group: new_own},
+            opt_state={**state.opt_state, group: opt_state},
+            model_state=model_state,
+        )
+        mean = total / count
+        self.finite = self.finite & jnp.isfinite(mean)
+        self.steps_taken.append(group)
+        return mean
