@@ -76,6 +76,17 @@ def test_val_metrics_logged_once_per_epoch_with_epoch(run):
     assert trainer.logged_metrics["epoch"] == 2.0
 
 
+def test_hparams_tab_lists_the_validation_metrics_as_columns(run):
+    _, _, events, _, _ = run
+    content = events.PluginTagToContent("hparams")
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(
+        content["_hparams_/experiment"]
+    ).experiment
+    columns = {m.name.tag for m in experiment.metric_infos}
+    assert {"val/acc", "val/loss", "train/loss"} <= columns and "epoch" not in columns
+    assert {h.name for h in experiment.hparam_infos} >= {"hidden", "lr"}
+
+
 def test_hparams_written_into_the_same_run(run):
     _, _, events, _, _ = run
     content = events.PluginTagToContent("hparams")

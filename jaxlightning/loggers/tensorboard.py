@@ -41,6 +41,9 @@ class TensorBoardLogger(VersionedLogger):
     def __init__(self, save_dir: str, name: str = "lightning_logs", version: int | None = None):
         super().__init__(save_dir, name, version)
         self._writer: SummaryWriter | None = None
+        self._hparams: dict[str, Any] | None = None
+        self._summarised: frozenset[str] = frozenset()
+        self._metric_names: set[str] = set()
 
     @property
     def experiment(self) -> SummaryWriter | None:
@@ -58,21 +61,35 @@ class TensorBoardLogger(VersionedLogger):
         return self._writer
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        # SummaryWriter.add_hparams would write into a new sub-run; write the three
+        # SummaryWriter.add_hparams would write into a new sub-run; write the
         # hparams summaries into this run instead so TensorBoard shows one run.
-        values = {k: _hparam_value(v) for k, v in params.items()}
+        # The experiment summary, which lists the HPARAMS tab's metric columns,
+        # is written when the run's metric names are known (`finalize`).
+        self._hparams = {k: _hparam_value(v) for k, v in params.items()}
+        self._summarised = frozenset()
         if self.writer is None:
             return
-        file_writer = self.writer.file_writer
-        for summary in hparams_summary(values, {}):
-            file_writer.add_summary(summary)
+        _, start, end = hparams_summary(self._hparams, {})
+        self.writer.file_writer.add_summary(start)
+        self.writer.file_writer.add_summary(end)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         writer = self.writer
         if writer is None:
             return
+        self._metric_names.update(metrics)
         for name, value in metrics.items():
             writer.add_scalar(name, value, global_step=step)
+
+    def _write_experiment(self) -> None:
+        """The HPARAMS tab's columns: the hparams and every metric logged so far
+        (TensorBoard shows each metric's last value, e.g. the final val/acc)."""
+        names = frozenset(self._metric_names - {"epoch"})
+        if self._hparams is None or not names or names == self._summarised or not self._writer:
+            return
+        experiment, _, _ = hparams_summary(self._hparams, dict.fromkeys(sorted(names), 0.0))
+        self._writer.file_writer.add_summary(experiment)
+        self._summarised = names
 
     def finalize(self) -> None:
         # tensorboardX queues events for a writer thread that flush() does not
@@ -80,5 +97,6 @@ class TensorBoardLogger(VersionedLogger):
         # another name) in the same run directory, which TensorBoard reads as
         # one run.
         if self._writer is not None:
+            self._write_experiment()
             self._writer.close()
             self._writer = None
