@@ -46,10 +46,10 @@ def test_readme_example_runs_and_index_example_uses_only_defined_names(tmp_path,
 def test_every_third_party_import_of_the_package_is_a_declared_dependency():
     # orbax-checkpoint was once imported but not declared.
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = [reqs for name, reqs in project["optional-dependencies"].items() if name != "dev"]
     declared = set()
-    for requirement in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "dependencies"
-    ]:
+    for requirement in project["dependencies"] + [r for reqs in extras for r in reqs]:
         declared.add(re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower())
     providers = importlib.metadata.packages_distributions()
     imported = set()
