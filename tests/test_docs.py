@@ -22,6 +22,9 @@ def test_docs_build_strict(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "site" / "quickstart" / "index.html").exists()
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    # the reference is generated from the docstrings
+    assert "log_every_n_steps" in api and "Optimizers" in api and "reduce_fx" in api
 
 
 def _python_blocks(path: Path) -> list[str]:
