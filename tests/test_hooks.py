@@ -291,3 +291,9 @@ def test_seed_everything_seeds_python_numpy_torch_and_trainers():
         jl.seed_everything(0)
     with pytest.raises(ValueError, match=r"seed_everything\(seed=-3\)"):
         jl.seed_everything(-3)
+
+
+def test_callbacks_accepts_a_single_callback():
+    calls = []
+    quiet_trainer(max_steps=1, callbacks=Record(calls)).fit(LitMLP(), loader(*digits(16), 8))
+    assert calls[0] == "cb.setup(fit)" and calls[-1] == "cb.teardown(fit)"
