@@ -7,17 +7,14 @@ import itertools
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import jax
 import numpy as np
-import optax
 
 from jaxlightning import checks, compile_cache, distributed
 from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
-from jaxlightning.checkpoint import read_meta, restore, restore_variables
-from jaxlightning.compiling import Precompiled, compile_with_options, in_background, join_quietly
+from jaxlightning.checkpoint import read_meta, restore_variables
 from jaxlightning.data import (
     Batches,
     DeviceBatch,
@@ -27,22 +24,20 @@ from jaxlightning.data import (
     torch_threads,
 )
 from jaxlightning.datamodule import loaders as datamodule_loaders
-from jaxlightning.datamodule import prepare as prepare_datamodule
-from jaxlightning.evaluation import EvaluationMixin, eval_hook, shard_shapes
+from jaxlightning.evaluation import EvaluationMixin, eval_hook
+from jaxlightning.hooks import HooksMixin, as_loggers
 from jaxlightning.loggers import Logger, TensorBoardLogger
 from jaxlightning.module import JaxModule
-from jaxlightning.reporting import Report, report
+from jaxlightning.reporting import report
 from jaxlightning.resume import CheckpointingMixin
 from jaxlightning.sampling import common_num_batches, epoch_loader
 from jaxlightning.seed import default_seed
 from jaxlightning.signals import StopRequest
-from jaxlightning.state import TrainState, create_train_state
+from jaxlightning.startup import StartupMixin
+from jaxlightning.state import TrainState
 from jaxlightning.step import (
     TrainMetrics,
-    build_train_step,
-    checked_setup,
     is_manual,
-    zero_train_metrics,
 )
 from jaxlightning.strategies import Strategy, resolve_strategy
 
@@ -52,14 +47,6 @@ class NonFiniteLossError(FloatingPointError):
 
 
 _PAD_BATCH = object()
-# For programs that run once (the initial state): XLA's optimisation level 1
-# and, on CPU, its older fusion emitters compile the random initialisers of an
-# MNIST-sized MLP in 0.3 s instead of 1.1 s, with bitwise the values of the
-# default compile (level 0 is faster still, but rounds differently: 1 ulp).
-# Both are private XLA options: `compile_with_options` drops any the backend
-# rejects (JAX 0.11 removed the fusion-emitter one).
-_RUN_ONCE_OPTIONS = {"xla_backend_optimization_level": 1}
-_RUN_ONCE_CPU_OPTIONS = {**_RUN_ONCE_OPTIONS, "xla_cpu_use_fusion_emitters": False}
 
 
 def _exactly(loader: Iterable[Any], total: int) -> Iterator[Any]:
@@ -99,7 +86,7 @@ def _resolve_devices(devices: int | str | Sequence[jax.Device]) -> list[jax.Devi
     raise ValueError(f"devices={devices!r}: use 'auto', a count, or a list of jax devices")
 
 
-class Trainer(EvaluationMixin, CheckpointingMixin):
+class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
     """Trains a `JaxModule` data-parallel over the local devices.
 
     Example:
@@ -187,7 +174,7 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         self.strategy.setup(_resolve_devices(devices))
         if logger is True:
             logger = TensorBoardLogger(self.default_root_dir)
-        self.loggers: list[Logger] = _as_loggers(logger)
+        self.loggers: list[Logger] = as_loggers(logger)
         if isinstance(callbacks, Callback):
             callbacks = [callbacks]
         self.callbacks: list[Callback] = list(callbacks or [])
@@ -245,52 +232,6 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         return self.loggers[0].log_dir if self.loggers else None
 
     # --------------------------------------------------------------- helpers
-    def _call(self, hook: str, module: JaxModule, *args: Any) -> None:
-        """The callbacks' ``hook``, in order, then the module's (Lightning's order)."""
-        for callback in self.callbacks:
-            fn = getattr(callback, hook, None)
-            if fn is not None:
-                fn(self, module, *args)
-        if hook in _MODULE_HOOKS:
-            getattr(module, hook)(*args)
-
-    @contextlib.contextmanager
-    def _stage(self, stage: str, module: JaxModule, datamodule: Any) -> Iterator[None]:
-        """Runs a Trainer call: ``setup``/``teardown`` (always) with ``stage``, and
-        ``on_exception`` when it fails; the datamodule is prepared and set up."""
-        module._trainer = self
-        if datamodule is not None:
-            self.datamodule = datamodule
-            prepare_datamodule(datamodule, stage)
-        self._call("setup", module, stage)
-        try:
-            with self._host_threads():
-                yield
-        except BaseException as exc:
-            if not isinstance(exc, SystemExit):  # a signal's clean stop is not a failure
-                self._call("on_exception", module, exc)
-            raise
-        finally:
-            self._call("teardown", module, stage)
-            if datamodule is not None and hasattr(datamodule, "teardown"):
-                datamodule.teardown(stage)
-
-    def _log_host(self, name: str, value: Any, *, prog_bar: bool, logger: bool) -> None:
-        """``self.log`` from a module's host-side hook: logged at once, as named."""
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"self.log({name!r}, ...) in a host-side hook got a {type(value).__name__}; "
-                "log a number"
-            ) from None
-        values = Report(values={name: number})
-        if logger:
-            values.logged[name] = number
-        if prog_bar:
-            values.bar[name] = number
-        self._publish(values)
-
     def _host_threads(self) -> Any:
         """One torch thread for in-process loading while XLA computes on the CPU."""
         return torch_threads(1 if self.strategy.on_cpu else None)
@@ -336,60 +277,6 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
                 "DataLoader's drop_last setting"
             )
         return batches
-
-    def _example(self, first: DeviceBatch) -> Any:
-        """One device's share of the first batch, for ``setup``."""
-        rows = first.host.mask.shape[0] // self.strategy.num_local_devices
-        return jax.tree.map(lambda x: x[:rows], first.host.data)
-
-    def _init_state(
-        self,
-        module: JaxModule,
-        tx: optax.GradientTransformation | None,
-        first: DeviceBatch,
-        *,
-        abstract: bool = False,
-    ) -> Any:
-        """The initial train state (or, without ``tx``, just the variables).
-
-        One compiled function: building the state op by op would compile each
-        initialiser separately, which dominates the start-up of small models.
-        The module's own ``variables`` (from an earlier fit) take precedence.
-        With ``abstract``, only the shapes, without compiling or running.
-        """
-        init, args = self._init_program(module, tx, first)
-        if abstract:
-            return jax.eval_shape(init, *args)
-        return self._compile_once(init.trace(*args).lower())(*args)
-
-    def _start_init_state(
-        self, module: JaxModule, tx: optax.GradientTransformation, first: DeviceBatch
-    ) -> tuple[Any, Future[Any]]:
-        """The initial train state's shapes now, and the state itself compiled
-        and computed on a worker thread while the caller traces the train step.
-        The caller must wait for the future on every path (`join_quietly`)."""
-        init, args = self._init_program(module, tx, first)
-        traced = init.trace(*args)
-        lowered = traced.lower()
-        return traced.out_info, in_background(lambda: self._compile_once(lowered)(*args))
-
-    def _compile_once(self, lowered: Any) -> Any:
-        # Runs once: compiling it quickly matters more than running it quickly.
-        options = _RUN_ONCE_CPU_OPTIONS if self.strategy.on_cpu else _RUN_ONCE_OPTIONS
-        return compile_with_options(lowered, options)
-
-    def _init_program(
-        self, module: JaxModule, tx: optax.GradientTransformation | None, first: DeviceBatch
-    ) -> tuple[Any, tuple[Any, ...]]:
-        def jl_init(seed, variables, example):
-            init_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
-            if variables is None:
-                variables = checked_setup(module, init_rng, example)
-            if tx is None:
-                return variables
-            return create_train_state(variables, tx, train_rng)
-
-        return jax.jit(jl_init), (self.seed, module.variables, self._example(first))
 
     @staticmethod
     def _check_module(module: JaxModule, *hooks: str) -> None:
@@ -496,57 +383,6 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         module.variables = self.strategy.unreplicate(self._state).variables
         self._call("on_train_end", module)
         self._call("on_fit_end", module)
-
-    def _first_batch(self, loader: Iterable[Any]) -> DeviceBatch:
-        """The first batch of epoch 0, for shapes (a resumed epoch may have none left)."""
-        with self._epoch_batches(loader, 0, 0) as batches:
-            return batches.first
-
-    def _start_run(
-        self,
-        module: JaxModule,
-        tx: optax.GradientTransformation,
-        example: DeviceBatch,
-        resume: str | None,
-        meta: dict[str, Any] | None,
-        threads: contextlib.ExitStack,
-    ) -> TrainMetrics:
-        """Builds (or restores) the state and compiles the train step; returns the
-        empty metric accumulator, replicated.
-
-        Start-up order: XLA compiles the initial state on a worker thread while
-        this one traces the train step, which then compiles in turn while this
-        one sets up the rest of the run.
-        """
-        shapes, pending_state = self._start_init_state(module, tx, example)
-        threads.callback(join_quietly, pending_state)
-        rows = example.host.mask.shape[0] // self.strategy.num_local_devices
-        acc0, self._train_options = zero_train_metrics(
-            module, shapes, shard_shapes(example.host.data, rows), tx
-        )
-        train_step = self.strategy.compile(
-            build_train_step(module, tx),
-            sharded_args=(False, False, True, True),
-            sharded_out=(False, False),
-            donate_argnums=(0,),
-        )
-        train_step = self.strategy.precompile(train_step, shapes, acc0, example.data, example.mask)
-        if isinstance(train_step, Precompiled):
-            threads.callback(train_step.join)
-        self._train_step = train_step
-        state = pending_state.result()
-        acc = acc0
-        if resume is not None:
-            restored = restore(resume, {"state": state, "acc": acc0})
-            state, acc = restored["state"], restored["acc"]
-            self._load_states(module, meta or {})
-        self._state = self.strategy.replicate(state)
-        self._acc = self.strategy.replicate(acc)
-        self._eval_fns.clear()
-        self._fit_module = module
-        self.should_stop = False
-        self._stop_signal = 0
-        return self.strategy.replicate(acc0)
 
     def _fit_loop(
         self,
@@ -746,50 +582,6 @@ class Trainer(EvaluationMixin, CheckpointingMixin):
         self._publish(values)
         if self.epoch_completed:
             self._acc = acc0
-
-    def _publish(self, values: Report) -> None:
-        """Hands reported values to ``callback_metrics``, the bar and the loggers."""
-        self.callback_metrics = {**self.callback_metrics, **values.values}
-        self.progress_bar_metrics = {**self.progress_bar_metrics, **values.bar}
-        if values.logged:
-            self.logged_metrics = {**values.logged, "epoch": float(self.current_epoch)}
-            for logger in self.loggers:
-                logger.log_metrics(self.logged_metrics, step=self.global_step)
-
-    def _finalize_loggers(self) -> None:
-        for logger in self.loggers:
-            logger.finalize()
-
-
-# JaxModule hooks the Trainer calls after the callbacks' hooks of the same name.
-_MODULE_HOOKS = frozenset(
-    {
-        "on_fit_start",
-        "on_fit_end",
-        "on_train_start",
-        "on_train_end",
-        "on_train_epoch_start",
-        "on_train_epoch_end",
-        "on_validation_epoch_start",
-        "on_validation_epoch_end",
-        "on_test_epoch_start",
-        "on_test_epoch_end",
-        "on_save_checkpoint",
-        "on_load_checkpoint",
-    }
-)
-
-
-def _as_loggers(logger: Any) -> list[Logger]:
-    loggers = list(logger) if isinstance(logger, (list, tuple)) else [logger]
-    loggers = [lg for lg in loggers if lg is not None and lg is not False]
-    for lg in loggers:
-        if not isinstance(lg, Logger):
-            raise TypeError(
-                f"logger={lg!r}: use True (TensorBoard), False, a jaxlightning Logger "
-                "(TensorBoardLogger, CSVLogger, ...) or a list of them"
-            )
-    return loggers
 
 
 def _as_list(loaders: Any) -> list[Any]:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import jaxlightning as jl
 from jaxlightning import compiling
-from jaxlightning import trainer as trainer_module
+from jaxlightning import startup as startup_module
 from tests.helpers import (
     LitMLP,
     digits,
@@ -83,8 +83,8 @@ def test_no_compile_or_prefetch_thread_outlives_a_failed_fit():
 def test_rejected_xla_option_is_dropped_and_init_is_unchanged(monkeypatch, caplog):
     # JAX 0.11 rejects xla_cpu_use_fusion_emitters; any private option may go.
     rejected = "xla_jl_test_option_that_does_not_exist"
-    options = {**trainer_module._RUN_ONCE_CPU_OPTIONS, rejected: True}
-    monkeypatch.setattr(trainer_module, "_RUN_ONCE_CPU_OPTIONS", options)
+    options = {**startup_module._RUN_ONCE_CPU_OPTIONS, rejected: True}
+    monkeypatch.setattr(startup_module, "_RUN_ONCE_CPU_OPTIONS", options)
     x, y = digits(64)
     module = LitMLP()
     attempts = compiling.rejected_attempts()
