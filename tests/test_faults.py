@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import jaxlightning as jl
-from jaxlightning import compiling
+from jaxlightning import checks, compiling
 from jaxlightning import startup as startup_module
 from tests.helpers import (
     LitMLP,
@@ -334,3 +334,10 @@ def test_predict_on_a_shuffled_loader_returns_dataset_order():
     with pytest.warns(UserWarning, match="predict reads it in dataset order"):
         out = trainer.predict(model, shuffled)
     np.testing.assert_allclose(out["logits"], np_logits(model.variables["params"], x), atol=1e-4)
+
+
+@pytest.mark.parametrize("hook", sorted(checks._LIGHTNING_ONLY))
+def test_every_lightning_only_hook_gets_its_message(hook):
+    module_class = type(f"Uses_{hook}", (LitMLP,), {hook: lambda self, *args: None})
+    with pytest.warns(UserWarning, match=rf"Uses_{hook}.{hook}\(\) is a PyTorch Lightning hook"):
+        checks.lightning_hooks(module_class())

@@ -33,6 +33,7 @@ class LogsEverything(LitMLP):
             self.net.apply(variables, x), y
         )
         self.log("mean_step", per_example)  # defaults in training: on_step only
+        self.log("mean_both", per_example, on_epoch=True)
         self.log("sum_epoch", per_example, on_step=False, on_epoch=True, reduce_fx="sum")
         self.log("max_both", per_example, on_epoch=True, reduce_fx="max", prog_bar=True)
         self.log_dict({"min_epoch": per_example}, on_step=False, on_epoch=True, reduce_fx="min")
@@ -97,6 +98,7 @@ def test_step_values_are_exact_per_interval(run):
 def test_epoch_values_are_exact_over_the_epoch(run):
     _, loss, _, tb, _ = run
     for step in (4, 8):  # each epoch sees all 100 examples
+        assert tb["train/mean_both_epoch"][step] == pytest.approx(loss.mean(), rel=1e-5)
         assert tb["train/sum_epoch"][step] == pytest.approx(loss.sum(), rel=1e-5)
         assert tb["train/max_both_epoch"][step] == pytest.approx(loss.max(), rel=1e-5)
         assert tb["train/min_epoch"][step] == pytest.approx(loss.min(), rel=1e-5)
