@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxlightning.losses import masked_loss_sum, pmean_floats, split_loss_output
 from jaxlightning.state import TrainState
 
 ALL = "*"  # the one group of a single transformation in manual optimization
@@ -73,8 +74,11 @@ class Optimizers:
         state: the train state, updated by each `step`.
     """
 
-    def __init__(self, groups: Groups, state: TrainState, mask: jax.Array, reduce: Any) -> None:
+    def __init__(
+        self, groups: Groups, state: TrainState, mask: jax.Array, reduce: Any, axis: str
+    ) -> None:
         self._txs = groups.txs
+        self._axis = axis
         self.state = state
         self._mask = mask
         self._reduce = reduce  # (tree) -> tree summed over the devices
@@ -103,8 +107,6 @@ class Optimizers:
         Returns:
             The loss, averaged over the real rows of the global batch.
         """
-        from jaxlightning.step import AXIS, _masked_loss_sum, _pmean_floats, _split_loss_output
-
         if group is None:
             if len(self._txs) != 1:
                 raise ValueError(
@@ -118,15 +120,15 @@ class Optimizers:
 
         def objective(sub: Any) -> Any:
             params = sub if everything else {**state.params, group: sub}
-            loss, updates = _split_loss_output(fn(params), state.model_state)
-            total, count = _masked_loss_sum(loss, self._mask)
+            loss, updates = split_loss_output(fn(params), state.model_state)
+            total, count = masked_loss_sum(loss, self._mask)
             return total, (count, updates)
 
         own = state.params if everything else state.params[group]
         (total, (count, updates)), grads = jax.value_and_grad(objective, has_aux=True)(own)
         grads, total, count, summed = self._reduce((grads, total, count, updates))
         grads = jax.tree.map(lambda g: g / count, grads)
-        updates = _pmean_floats(summed, updates, jax.lax.axis_size(AXIS))
+        updates = pmean_floats(summed, updates, jax.lax.axis_size(self._axis))
         deltas, opt_state = self._txs[group].update(grads, state.opt_state[group], own)
         new_own = optax.apply_updates(own, deltas)
         model_state = {**state.model_state, **updates}

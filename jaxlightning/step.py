@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from clu import metrics as clu_metrics
 
+from jaxlightning.losses import masked_loss_sum, pmean_floats, split_loss_output
 from jaxlightning.metrics import Average, LogOptions, across_devices, from_logged, zero
 from jaxlightning.module import JaxModule
 from jaxlightning.optimizers import Optimizers
@@ -170,7 +171,7 @@ def zero_train_metrics(
     if is_manual(module):
 
         def manual(state: Any, batch: Any, rngs: Any) -> None:
-            optimizers = Optimizers(tx, state, module.batch_mask, lambda tree: tree)
+            optimizers = Optimizers(tx, state, module.batch_mask, lambda tree: tree, AXIS)
             module.training_step(optimizers, batch, rngs)
 
         options = _logged_names(module, "training_step", state, batch, rngs, call=manual)
@@ -188,63 +189,6 @@ def zero_eval_metrics(
     """Empty accumulators for what the evaluation ``hook`` logs, and their options."""
     options = _logged_names(module, hook, variables, batch)
     return {name: zero(opts) for name, opts in options.items()}, options
-
-
-def _split_loss_output(out: Any, model_state: Mapping[str, Any]) -> tuple[Any, dict]:
-    if isinstance(out, Mapping):
-        raise TypeError(
-            f"loss() returned a dict with keys {sorted(out)}; return the loss itself "
-            "(a scalar or a per-example vector), not Lightning's {'loss': ...}. Log "
-            "other values with self.log, and return mutated collections as "
-            "(loss, {'batch_stats': ...})"
-        )
-    if isinstance(out, tuple):
-        if len(out) != 2 or not isinstance(out[1], Mapping):
-            raise TypeError(
-                "loss() returned a tuple; it must be (loss, updates) with updates a dict "
-                "of mutated collections such as {'batch_stats': ...}"
-            )
-        loss, updates = out
-        unknown = sorted(set(updates) - set(model_state))
-        if unknown:
-            raise ValueError(
-                f"loss() returned updates for collections {unknown} that setup() did not "
-                f"create; setup() created {sorted(model_state)}"
-            )
-        return loss, dict(updates)
-    return out, {}
-
-
-def _masked_loss_sum(loss: Any, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(sum over real examples, number of real examples) of one shard's loss."""
-    if not isinstance(loss, (jax.Array, np.ndarray, np.number, float, int)) or isinstance(
-        loss, bool
-    ):
-        raise TypeError(
-            f"loss() returned a {type(loss).__name__}; return a scalar or a per-example "
-            f"vector of shape {mask.shape} (this device's shard), or (loss, updates)"
-        )
-    loss = jnp.asarray(loss)
-    if not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise TypeError(f"loss() returned dtype {loss.dtype}; return a floating-point loss")
-    real = mask.sum(dtype=jnp.int32)
-    if loss.shape == ():
-        # A scalar is taken as the shard's mean; weighting it by the shard's real
-        # examples makes the cross-device mean exact whatever the padding.
-        return loss.astype(jnp.float32) * real, real
-    if loss.shape == mask.shape:
-        return jnp.where(mask, loss, 0).astype(jnp.float32).sum(), real
-    raise ValueError(
-        f"loss() returned shape {loss.shape}; return a scalar or a per-example vector "
-        f"of shape {mask.shape} (this device's shard), or (loss, updates)"
-    )
-
-
-def _pmean_floats(summed: Any, original: Any, n_devices: int) -> Any:
-    def mean(s: jax.Array, o: jax.Array) -> jax.Array:
-        return s / n_devices if jnp.issubdtype(o.dtype, jnp.floating) else o
-
-    return jax.tree.map(mean, summed, original)
 
 
 def build_train_step(
@@ -266,8 +210,8 @@ def build_train_step(
             variables = {"params": params, **state.model_state}
             with module._collect_logs("loss", mask, state.step) as logged:
                 out = module.loss(variables, batch, rngs)
-            loss, updates = _split_loss_output(out, state.model_state)
-            total, count = _masked_loss_sum(loss, mask)
+            loss, updates = split_loss_output(out, state.model_state)
+            total, count = masked_loss_sum(loss, mask)
             metrics = _logged_metrics(logged, mask)
             metrics["loss"] = Average(total=total, count=count)
             return total, (metrics, updates)
@@ -276,7 +220,7 @@ def build_train_step(
         (grads, summed_updates), metrics = across_devices(AXIS, metrics, (grads, updates))
         n_real = metrics["loss"].count
         grads = jax.tree.map(lambda g: g / n_real, grads)
-        updates = _pmean_floats(summed_updates, updates, jax.lax.axis_size(AXIS))
+        updates = pmean_floats(summed_updates, updates, jax.lax.axis_size(AXIS))
         new_state = state.apply_gradients(tx, grads, updates)
         finite = jnp.isfinite(metrics["loss"].total)
         return new_state, _merge_train(acc, metrics, new_state.step, finite, "loss")
@@ -287,7 +231,7 @@ def build_train_step(
         def reduce(tree: Any) -> Any:
             return across_devices(AXIS, {}, tree)[0]
 
-        optimizers = Optimizers(tx, state, mask, reduce)
+        optimizers = Optimizers(tx, state, mask, reduce, AXIS)
         with module._collect_logs("training_step", mask, state.step) as logged:
             out = module.training_step(optimizers, batch, rngs)
         if out is not None:
