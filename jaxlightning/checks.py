@@ -16,6 +16,7 @@ from typing import Any
 import optax
 
 from jaxlightning.optimizers import ALL, Groups, by_group
+from jaxlightning.step import StepOptions
 
 
 def int_arg(name: str, value: Any, *, minimum: int, hint: str = "") -> int:
@@ -38,6 +39,17 @@ def epoch_limit(max_epochs: Any, max_steps: Any) -> tuple[int | None, int]:
         return (1000 if max_steps == -1 else None), max_steps
     max_epochs = int_arg("max_epochs", max_epochs, minimum=-1, hint=" (-1: no epoch limit)")
     return (None if max_epochs == -1 else max_epochs), max_steps
+
+
+def step_options(clip_val: Any, clip_algorithm: Any, log_grad_norm: Any) -> StepOptions:
+    """The train step's gradient options, checked."""
+    if clip_val is not None:
+        if isinstance(clip_val, bool) or not isinstance(clip_val, (int, float)) or clip_val <= 0:
+            raise ValueError(f"gradient_clip_val={clip_val!r}: use a positive number or None")
+        clip_val = float(clip_val)
+    if clip_algorithm not in ("norm", "value"):
+        raise ValueError(f"gradient_clip_algorithm={clip_algorithm!r}: use 'norm' or 'value'")
+    return StepOptions(clip_val, clip_algorithm, bool(log_grad_norm))
 
 
 def optimizer(module: Any, *, manual: bool = False) -> Any:

@@ -75,10 +75,17 @@ class Optimizers:
     """
 
     def __init__(
-        self, groups: Groups, state: TrainState, mask: jax.Array, reduce: Any, axis: str
+        self,
+        groups: Groups,
+        state: TrainState,
+        mask: jax.Array,
+        reduce: Any,
+        axis: str,
+        clip: Callable[[Any], Any] = lambda grads: grads,
     ) -> None:
         self._txs = groups.txs
         self._axis = axis
+        self._clip = clip
         self.state = state
         self._mask = mask
         self._reduce = reduce  # (tree) -> tree summed over the devices
@@ -102,7 +109,8 @@ class Optimizers:
         ``fn`` takes the whole current ``params`` dict and returns a loss, as
         `JaxModule.loss` does: a scalar, a per-example vector, or
         ``(loss, updates)`` with mutated collections. Only ``params[group]``
-        is differentiated and updated.
+        is differentiated and updated; the Trainer's ``gradient_clip_val``
+        clips this group's averaged gradient.
 
         Returns:
             The loss, averaged over the real rows of the global batch.
@@ -127,7 +135,7 @@ class Optimizers:
         own = state.params if everything else state.params[group]
         (total, (count, updates)), grads = jax.value_and_grad(objective, has_aux=True)(own)
         grads, total, count, summed = self._reduce((grads, total, count, updates))
-        grads = jax.tree.map(lambda g: g / count, grads)
+        grads = self._clip(jax.tree.map(lambda g: g / count, grads))
         updates = pmean_floats(summed, updates, jax.lax.axis_size(self._axis))
         deltas, opt_state = self._txs[group].update(grads, state.opt_state[group], own)
         new_own = optax.apply_updates(own, deltas)

@@ -117,10 +117,10 @@ class StartupMixin:
         threads.callback(join_quietly, pending_state)
         rows = example.host.mask.shape[0] // self.strategy.num_local_devices
         acc0, self._train_options = zero_train_metrics(
-            module, shapes, shard_shapes(example.host.data, rows), tx
+            module, shapes, shard_shapes(example.host.data, rows), tx, self.step_options
         )
         train_step = self.strategy.compile(
-            build_train_step(module, tx),
+            build_train_step(module, tx, self.step_options),
             sharded_args=(False, False, True, True),
             sharded_out=(False, False),
             donate_argnums=(0,),

@@ -15,6 +15,7 @@ reported.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from clu import metrics as clu_metrics
 
 from jaxlightning.losses import masked_loss_sum, pmean_floats, split_loss_output
@@ -35,9 +37,38 @@ AXIS = "batch"
 collectives of your own, e.g. ``nn.BatchNorm(axis_name=jl.AXIS)`` for BatchNorm
 statistics over the global batch, or ``jax.lax.pmean(x, jl.AXIS)``."""
 Metrics = dict[str, clu_metrics.Metric]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """What the train step does to the averaged gradient (Trainer arguments).
+
+    Attributes:
+        gradient_clip_val: clip the gradient (``None``: no clipping).
+        gradient_clip_algorithm: ``"norm"`` (``optax.clip_by_global_norm``) or
+            ``"value"`` (``optax.clip``, element-wise).
+        log_grad_norm: log the global norm of the averaged gradient, before
+            clipping, as ``train/grad_norm``.
+    """
+
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str = "norm"
+    log_grad_norm: bool = False
+
+    def clip(self, grads: Any) -> Any:
+        if self.gradient_clip_val is None:
+            return grads
+        if self.gradient_clip_algorithm == "norm":
+            clipper = optax.clip_by_global_norm(self.gradient_clip_val)
+        else:
+            clipper = optax.clip(self.gradient_clip_val)
+        return clipper.update(grads, optax.EmptyState())[0]
+
+
 Options = dict[str, LogOptions]
 # The Trainer's own training loss, as reported: per interval, in the bar.
 LOSS_OPTIONS = LogOptions(on_step=True, on_epoch=False, prog_bar=True)
+GRAD_NORM_OPTIONS = LogOptions(on_step=True, on_epoch=False)
 
 
 @flax.struct.dataclass
@@ -163,7 +194,7 @@ def checked_setup(module: JaxModule, rng: jax.Array, example: Any) -> dict[str, 
 
 
 def zero_train_metrics(
-    module: JaxModule, state: TrainState, batch: Any, tx: Any
+    module: JaxModule, state: TrainState, batch: Any, tx: Any, options: StepOptions = StepOptions()
 ) -> tuple[TrainMetrics, Options]:
     """An empty `TrainMetrics` for ``module``'s logs (``batch``: one device's
     shard), and the options of every name, ``"loss"`` included."""
@@ -176,8 +207,11 @@ def zero_train_metrics(
 
         options = _logged_names(module, "training_step", state, batch, rngs, call=manual)
     else:
-        options = _logged_names(module, "loss", state.variables, batch, rngs)
-        options["loss"] = LOSS_OPTIONS
+        logged = _logged_names(module, "loss", state.variables, batch, rngs)
+        logged["loss"] = LOSS_OPTIONS
+        if options.log_grad_norm:
+            logged["grad_norm"] = GRAD_NORM_OPTIONS
+        options = logged
     metrics = {name: zero(opts) for name, opts in options.items()}
     epoch = {name: zero(opts) for name, opts in options.items() if opts.on_epoch}
     return TrainMetrics(metrics, epoch, np.zeros((), np.int32)), options
@@ -192,7 +226,7 @@ def zero_eval_metrics(
 
 
 def build_train_step(
-    module: JaxModule, tx: Any
+    module: JaxModule, tx: Any, options: StepOptions = StepOptions()
 ) -> Callable[[TrainState, TrainMetrics, Any, jax.Array], tuple[TrainState, TrainMetrics]]:
     """Per-device train step ``(state, acc, batch, mask) -> (state, acc)``.
 
@@ -220,6 +254,12 @@ def build_train_step(
         (grads, summed_updates), metrics = across_devices(AXIS, metrics, (grads, updates))
         n_real = metrics["loss"].count
         grads = jax.tree.map(lambda g: g / n_real, grads)
+        if options.log_grad_norm:  # the same on every device: counts once per step
+            norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+            metrics["grad_norm"] = Average(
+                total=norm.astype(jnp.float32), count=jnp.ones((), jnp.int32)
+            )
+        grads = options.clip(grads)
         updates = pmean_floats(summed_updates, updates, jax.lax.axis_size(AXIS))
         new_state = state.apply_gradients(tx, grads, updates)
         finite = jnp.isfinite(metrics["loss"].total)
@@ -231,7 +271,7 @@ def build_train_step(
         def reduce(tree: Any) -> Any:
             return across_devices(AXIS, {}, tree)[0]
 
-        optimizers = Optimizers(tx, state, mask, reduce, AXIS)
+        optimizers = Optimizers(tx, state, mask, reduce, AXIS, options.clip)
         with module._collect_logs("training_step", mask, state.step) as logged:
             out = module.training_step(optimizers, batch, rngs)
         if out is not None:

@@ -109,6 +109,12 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
             validation loader (-1: all; 0: none), discarding the results, so
             that a bug in ``eval_step`` shows before an epoch of training
             rather than after it. Also compiles the eval step ahead.
+        gradient_clip_val: clip the gradient, averaged across devices, to this
+            global norm (or, with ``gradient_clip_algorithm="value"``, each
+            element to this magnitude) before the optimizer sees it.
+        gradient_clip_algorithm: ``"norm"`` or ``"value"``.
+        log_grad_norm: log the global norm of the averaged gradient (before
+            clipping) as ``train/grad_norm``.
         default_root_dir: where logs go (default: the working directory).
         logger: ``True`` for a `TensorBoardLogger`, ``False`` for none, a
             `Logger`, or a list of them (each gets every value).
@@ -145,6 +151,9 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         log_every_n_steps: int = 50,
         check_val_every_n_epoch: int = 1,
         num_sanity_val_steps: int = 2,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        log_grad_norm: bool = False,
         default_root_dir: str | os.PathLike[str] | None = None,
         logger: bool | Logger | Sequence[Logger] = True,
         enable_progress_bar: bool = True,
@@ -166,6 +175,9 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         )
         seed = default_seed() if seed is None else seed
         self.seed = checks.int_arg("seed", seed, minimum=0)
+        self.step_options = checks.step_options(
+            gradient_clip_val, gradient_clip_algorithm, log_grad_norm
+        )
         self.default_root_dir = os.fspath(default_root_dir or os.getcwd())
         distributed.initialize(num_nodes)  # before anything touches the devices
         if compilation_cache_dir is not None:

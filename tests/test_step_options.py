@@ -1,0 +1,80 @@
+"""Inside the step: gradient clipping and the logged gradient norm, against optax
+applied by hand to the averaged gradient."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from tests.helpers import MLP, LitMLP, digits, init_mlp, loader, max_abs_diff, quiet_trainer
+
+
+class Sgd(LitMLP):
+    def __init__(self, transform=None, **kw):
+        super().__init__(init_variables=init_mlp(), **kw)
+        self.transform = transform
+
+    def configure_optimizers(self):
+        sgd = optax.sgd(0.5)
+        return sgd if self.transform is None else optax.chain(self.transform, sgd)
+
+
+def _fit(module, devices=8, **trainer_kw):
+    x, y = digits(100)  # an uneven last batch: 32, 32, 32, 4
+    trainer = quiet_trainer(max_epochs=2, devices=devices, log_every_n_steps=1, **trainer_kw)
+    trainer.fit(module, loader(x, y, 32))
+    return module.variables, trainer
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "by_hand"),
+    [("norm", optax.clip_by_global_norm(0.05)), ("value", optax.clip(0.002))],
+)
+def test_clipping_equals_optax_on_the_averaged_gradient(algorithm, by_hand):
+    clip_val = 0.05 if algorithm == "norm" else 0.002
+    clipped, _ = _fit(Sgd(), gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
+    expected, _ = _fit(Sgd(by_hand), devices=1)
+    unclipped, _ = _fit(Sgd(), devices=1)
+    assert max_abs_diff(clipped, expected) < 1e-6
+    assert max_abs_diff(clipped, unclipped) > 1e-3  # the clip did bite
+
+
+def test_grad_norm_is_the_norm_of_the_full_batch_gradient():
+    x, y = digits(32)
+    variables = init_mlp()
+
+    def mean_loss(params):
+        logits = MLP().apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    grads = jax.grad(mean_loss)(variables["params"])
+    expected = float(np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(grads))))
+    trainer = quiet_trainer(max_steps=1, log_grad_norm=True, gradient_clip_val=1e-3)
+    trainer.fit(Sgd(), loader(x, y, 32))
+    # logged before clipping
+    assert trainer.callback_metrics["train/grad_norm"] == pytest.approx(expected, rel=1e-5)
+    assert expected > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"gradient_clip_val": -1.0}, r"gradient_clip_val=-1.0: use a positive number"),
+        ({"gradient_clip_algorithm": "l2"}, r"gradient_clip_algorithm='l2': use 'norm'"),
+    ],
+)
+def test_bad_clipping_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        quiet_trainer(**kwargs)
+
+
+def test_clipping_applies_to_each_manual_optimization_step():
+    from tests.test_gan import LitGAN, gan_loader
+
+    free, clipped = LitGAN(), LitGAN()
+    quiet_trainer(max_steps=2).fit(free, gan_loader())
+    quiet_trainer(max_steps=2, gradient_clip_val=1e-4).fit(clipped, gan_loader())
+    start = LitGAN().setup(None, None)["params"]
+    moved = max_abs_diff(clipped.variables["params"], start)
+    assert 0 < moved < max_abs_diff(free.variables["params"], start)
+    assert np.isfinite(moved)
