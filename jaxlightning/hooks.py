@@ -64,6 +64,7 @@ class HooksMixin:
         """Runs a Trainer call: ``setup``/``teardown`` (always) with ``stage``, and
         ``on_exception`` when it fails; the datamodule is prepared and set up."""
         module._trainer = self
+        previous, self.stage = self.stage, stage
         if datamodule is not None:
             self.datamodule = datamodule
             prepare_datamodule(datamodule, stage)
@@ -77,6 +78,7 @@ class HooksMixin:
             raise
         finally:
             self._call("teardown", module, stage)
+            self.stage = previous
             if datamodule is not None and hasattr(datamodule, "teardown"):
                 datamodule.teardown(stage)
 

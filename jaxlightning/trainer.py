@@ -222,6 +222,7 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         self._fit_module: JaxModule | None = None
         self._train_step: Any = None
         self.datamodule: Any = None
+        self.stage: str | None = None  # "fit", "validate", "test" or "predict" while running
 
     # ------------------------------------------------------------ properties
     @property
