@@ -28,6 +28,15 @@ def int_arg(name: str, value: Any, *, minimum: int, hint: str = "") -> int:
     return value
 
 
+def fast_dev_run(value: Any) -> int:
+    """``fast_dev_run`` as a batch count (0: off)."""
+    if value is True:
+        return 1
+    if value is False:
+        return 0
+    return int_arg("fast_dev_run", value, minimum=0, hint=" or a bool")
+
+
 def epoch_limit(max_epochs: Any, max_steps: Any) -> tuple[int | None, int]:
     """``(max_epochs, max_steps)`` as the loop uses them, Lightning's rules applied.
 

@@ -86,7 +86,9 @@ class EvaluationMixin:
         batches (at most ``limit`` per loader) and returns nothing.
         """
         loaders = list(dataloaders) if isinstance(dataloaders, (list, tuple)) else [dataloaders]
-        counts = [self._num_batches_plain(loader) for loader in loaders]
+        counts = [self.schedule.batches(stage, self._num_batches_plain(ld)) for ld in loaders]
+        if limit is not None:  # the sanity check's
+            counts = [limit if n is None else min(n, limit) for n in counts]
         self.num_eval_batches = None if None in counts else sum(counts)  # type: ignore[arg-type]
         if publish:
             self._call(f"on_{stage}_start", module)
@@ -97,7 +99,7 @@ class EvaluationMixin:
             suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""
             checkpoint = ckpt_path if i == 0 else None
             metrics, options = self._evaluate_loader(
-                stage, module, loader, checkpoint, limit, publish
+                stage, module, loader, checkpoint, counts[i], publish
             )
             values = report(prefix, options, metrics, "epoch", suffix)
             results.append(values.values)
@@ -249,9 +251,15 @@ class EvaluationMixin:
 
     def _predict_loader(self, module: JaxModule, loader: Any, ckpt_path: Any) -> Any:
         loader = in_dataset_order(loader)
-        self.num_eval_batches = self._num_batches_plain(loader)
+        limit = self.schedule.batches("predict", self._num_batches_plain(loader))
+        if self.schedule.limit_predict_batches is not None and jax.process_count() > 1:
+            raise ValueError(
+                "limit_predict_batches is not supported in a multi-process run (predict "
+                "returns one row per dataset example); limit the dataset instead"
+            )
+        self.num_eval_batches = limit
         self._call("on_predict_start", module)
-        with self._eval_batches(loader, "the predict dataloader") as batches:
+        with self._eval_batches(loader, "the predict dataloader", limit) as batches:
             variables = self._eval_variables(module, batches.first, ckpt_path)
             key = ("predict", module)
             if key not in self._eval_fns:

@@ -168,6 +168,7 @@ def epoch_loader(
     own: bool = True,
     rank: int = 0,
     replicas: int = 1,
+    shuffle: bool | None = None,
 ) -> Iterable[Any]:
     """The batches of ``epoch``, leaving out its first ``skip_batches``.
 
@@ -175,10 +176,11 @@ def epoch_loader(
     (shuffled iff the DataLoader shuffles, this process's share of it) and
     skipped batches are never loaded. Otherwise the loader is used as it is and skipped batches are
     loaded and dropped, which restores the order only if the loader itself is
-    deterministic.
+    deterministic. ``shuffle=False`` keeps dataset order (``overfit_batches``).
     """
     if own and _ownable(loader):
-        shuffle = isinstance(loader.sampler, RandomSampler)
+        if shuffle is None:
+            shuffle = isinstance(loader.sampler, RandomSampler)
         sampler = EpochSampler(
             len(loader.dataset),
             shuffle=shuffle,

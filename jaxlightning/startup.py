@@ -139,6 +139,6 @@ class StartupMixin:
         self._acc = self.strategy.replicate(acc)
         self._eval_fns.clear()
         self._fit_module = module
-        self.should_stop = False
+        self.should_stop = self._time_up = False
         self._stop_signal = 0
         return self.strategy.replicate(acc0)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import os
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -30,7 +32,8 @@ from jaxlightning.loggers import Logger, TensorBoardLogger
 from jaxlightning.module import JaxModule
 from jaxlightning.reporting import report
 from jaxlightning.resume import CheckpointingMixin
-from jaxlightning.sampling import common_num_batches, epoch_loader
+from jaxlightning.sampling import BatchSlice, common_num_batches, epoch_loader
+from jaxlightning.schedule import Schedule, check_limit, parse_max_time
 from jaxlightning.seed import default_seed
 from jaxlightning.signals import StopRequest
 from jaxlightning.startup import StartupMixin
@@ -146,11 +149,21 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         *,
         max_epochs: int | None = None,
         max_steps: int = -1,
+        min_epochs: int | None = None,
+        min_steps: int | None = None,
+        max_time: str | dict[str, int] | datetime.timedelta | None = None,
         devices: int | str | Sequence[jax.Device] = "auto",
         strategy: str | Strategy = "auto",
         log_every_n_steps: int = 50,
-        check_val_every_n_epoch: int = 1,
+        val_check_interval: int | float | None = None,
+        check_val_every_n_epoch: int | None = 1,
         num_sanity_val_steps: int = 2,
+        limit_train_batches: int | float | None = None,
+        limit_val_batches: int | float | None = None,
+        limit_test_batches: int | float | None = None,
+        limit_predict_batches: int | float | None = None,
+        fast_dev_run: int | bool = False,
+        overfit_batches: int | float = 0.0,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
         log_grad_norm: bool = False,
@@ -165,13 +178,43 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         num_nodes: int | None = None,
         compilation_cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.max_epochs, self.max_steps = checks.epoch_limit(max_epochs, max_steps)
+        max_epochs, max_steps = checks.epoch_limit(max_epochs, max_steps)
         self.log_every_n_steps = checks.int_arg("log_every_n_steps", log_every_n_steps, minimum=1)
-        self.check_val_every_n_epoch = checks.int_arg(
-            "check_val_every_n_epoch", check_val_every_n_epoch, minimum=1
-        )
+        if check_val_every_n_epoch is not None:
+            checks.int_arg("check_val_every_n_epoch", check_val_every_n_epoch, minimum=1)
         self.num_sanity_val_steps = checks.int_arg(
             "num_sanity_val_steps", num_sanity_val_steps, minimum=-1, hint=" (-1: all batches)"
+        )
+        limits = {
+            name: check_limit(name, value)
+            for name, value in [
+                ("limit_train_batches", limit_train_batches),
+                ("limit_val_batches", limit_val_batches),
+                ("limit_test_batches", limit_test_batches),
+                ("limit_predict_batches", limit_predict_batches),
+            ]
+        }
+        overfit = check_limit("overfit_batches", overfit_batches) or None
+        self.overfit_batches = overfit
+        if overfit is not None:  # the first batches, unshuffled, for training and validation
+            limits["limit_train_batches"] = limits["limit_val_batches"] = overfit
+        self.fast_dev_run = checks.fast_dev_run(fast_dev_run)
+        if self.fast_dev_run:  # a few batches of everything; nothing kept
+            n = self.fast_dev_run
+            max_epochs, max_steps, val_check_interval = 1, n, 1.0
+            limits = dict.fromkeys(limits, n)
+            self.num_sanity_val_steps = 0
+            logger, enable_checkpointing = False, False
+            callbacks = [c for c in _as_list(callbacks) if not isinstance(c, ModelCheckpoint)]
+        self.schedule = Schedule(
+            max_epochs=max_epochs,
+            max_steps=max_steps,
+            min_epochs=checks.int_arg("min_epochs", min_epochs or 0, minimum=0),
+            min_steps=checks.int_arg("min_steps", min_steps or 0, minimum=0),
+            max_time=parse_max_time(max_time),
+            val_check_interval=1.0 if val_check_interval is None else val_check_interval,
+            check_val_every_n_epoch=check_val_every_n_epoch,
+            **limits,
         )
         seed = default_seed() if seed is None else seed
         self.seed = checks.int_arg("seed", seed, minimum=0)
@@ -222,6 +265,10 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         self._fit_module: JaxModule | None = None
         self._train_step: Any = None
         self.datamodule: Any = None
+        self._fit_started = 0.0  # time.monotonic() when training began, for max_time
+        self._time_up = False
+        self._validate_at_epoch_end = False
+        self._train_loader: Any = None
         self.stage: str | None = None  # "fit", "validate", "test" or "predict" while running
 
     # ------------------------------------------------------------ properties
@@ -229,6 +276,29 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
     def state(self) -> TrainState | None:
         """One (unreplicated) copy of the train state; ``None`` before `fit`."""
         return None if self._state is None else self.strategy.unreplicate(self._state)
+
+    @property
+    def max_epochs(self) -> int | None:
+        """The epoch limit (``None``: none)."""
+        return self.schedule.max_epochs
+
+    @property
+    def max_steps(self) -> int:
+        """The step limit (-1: none)."""
+        return self.schedule.max_steps
+
+    @property
+    def check_val_every_n_epoch(self) -> int | None:
+        return self.schedule.check_val_every_n_epoch
+
+    @property
+    def estimated_stepping_batches(self) -> float:
+        """The optimizer steps this fit will take, from ``max_epochs`` (and the
+        limited batches per epoch) and ``max_steps``; ``inf`` when unbounded.
+        Readable in ``configure_optimizers`` to size schedules."""
+        if self._train_loader is None:
+            raise RuntimeError("estimated_stepping_batches is known once fit has its loaders")
+        return self.schedule.estimated_steps(self._epoch_batch_count(self._train_loader))
 
     @property
     def num_devices(self) -> int:
@@ -358,6 +428,7 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
             )
         if val_dataloaders is not None:
             self._check_module(module, eval_hook(module, "validation"))
+        self._train_loader = train_dataloaders
         tx = checks.optimizer(module, manual=manual)
         if self.max_epochs != 1:
             checks.reiterable(train_dataloaders, "train_dataloaders", passes="once per epoch")
@@ -420,6 +491,7 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
                 self._call("on_fit_start", module)
                 self._sanity_check(module, val_dataloaders)
                 self._call("on_train_start", module)
+                self._fit_started = time.monotonic()
                 for epoch in epochs:
                     if self._step_limit_reached():
                         break
@@ -427,21 +499,20 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
                     if batches is None:
                         batches = self._epoch_batches(train_dataloaders, epoch, 0)
                     with batches:
-                        self._train_epoch(module, train_dataloaders, batches, epoch, skip, acc0)
+                        loaders = (train_dataloaders, val_dataloaders)
+                        self._train_epoch(module, loaders, batches, epoch, skip, acc0)
                     batches, skip = None, 0
                     if self._stop_signal:
                         self._stop_on_signal(module)
                     self._end_train_epoch(acc0)
                     if self.epoch_completed:
-                        if val_dataloaders is not None and (
-                            (epoch + 1) % self.check_val_every_n_epoch == 0
-                        ):
+                        if val_dataloaders is not None and self._validate_at_epoch_end:
                             self._evaluate("validation", module, val_dataloaders)
                         self._progress = (epoch + 1, 0)
                     self._call("on_train_epoch_end", module)
                     if self.epoch_completed:
                         self.current_epoch = epoch + 1
-                    if self.should_stop:
+                    if self._stopping():
                         break
         finally:
             self._drain()
@@ -450,19 +521,31 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
     def _train_epoch(
         self,
         module: JaxModule,
-        loader: Iterable[Any],
+        loaders: tuple[Iterable[Any], Any],
         batches: Batches,
         epoch: int,
         skip: int,
         acc0: TrainMetrics,
     ) -> None:
-        """One epoch's steps from batch ``skip``; sets `epoch_completed`."""
+        """One epoch's steps from batch ``skip``; sets `epoch_completed`.
+
+        Validations due after a batch (``val_check_interval``) run there, except
+        one due after the epoch's last batch: that one runs at the epoch's end,
+        after its last logging interval is reported, as a once-per-epoch one does.
+        """
+        loader, val_dataloaders = loaders
         self.epoch_completed = False
         self._epoch_offset = self.global_step - skip
+        epoch_batches = self._epoch_batch_count(loader)
         self.num_training_batches = self._num_batches(loader, skip)
+        self._validate_at_epoch_end = self.schedule.validate_at_epoch_end(epoch, epoch_batches)
         self._call("on_train_epoch_start", module)
+        # A run resumed from a checkpoint taken after batch `skip` (before any
+        # validation due there) runs that validation first, as the run it continues did.
+        if skip and val_dataloaders is not None:
+            self._validate_after(module, val_dataloaders, epoch, skip, epoch_batches)
         for batch_idx, batch in enumerate(batches, start=skip):
-            if self.should_stop or self._stop_signal or self._step_limit_reached():
+            if self._stop_signal or self._step_limit_reached() or self._stopping():
                 self.should_stop = True
                 return
             self._call("on_train_batch_start", module, batch_idx)
@@ -477,7 +560,33 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
                 self._report_train(acc0)
             self._stop_signal = self._agreed_signal(at_report)
             self._call("on_train_batch_end", module, batch_idx)
+            if self.schedule.time_up(time.monotonic() - self._fit_started):
+                self._time_up = self.should_stop = True
+            if val_dataloaders is not None and not self._stop_signal:  # else after resuming
+                self._validate_after(module, val_dataloaders, epoch, batch_idx + 1, epoch_batches)
         self.epoch_completed = True
+
+    def _validate_after(
+        self, module: JaxModule, val_dataloaders: Any, epoch: int, done: int, total: int | None
+    ) -> None:
+        """Validates if ``val_check_interval`` says so after batch ``done`` of the
+        epoch; after its last batch, at the epoch's end instead."""
+        if not self.schedule.validate_after_batch(epoch, done, total, self.global_step):
+            return
+        if done == total:
+            self._validate_at_epoch_end = True
+        else:
+            self._evaluate("validation", module, val_dataloaders)
+
+    def _stopping(self) -> bool:
+        """Whether a requested stop takes effect now: ``should_stop`` waits for
+        ``min_epochs``/``min_steps``; ``max_time`` does not."""
+        if not self.should_stop:
+            return False
+        if self._time_up:
+            return True
+        # current_epoch counts completed epochs (it moves on once one completes)
+        return self.schedule.may_stop(self.current_epoch, self.global_step)
 
     def _sanity_check(self, module: JaxModule, val_dataloaders: Any) -> None:
         """A few validation batches before training, results discarded."""
@@ -493,7 +602,7 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         if not self._step_limit_reached():
             return ""
         # At an epoch's last batch, that epoch's end (validation) is still due.
-        epoch_end_due = skip > 0 and self._num_batches_plain(loader) == skip
+        epoch_end_due = skip > 0 and self._epoch_batch_count(loader) == skip
         return "" if epoch_end_due else f"max_steps={self.max_steps} reached"
 
     def _nothing_left(self, module: JaxModule, resume: str | None, reason: str) -> None:
@@ -515,6 +624,8 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
             )
 
     def _epoch_batches(self, loader: Iterable[Any], epoch: int, skip: int) -> Batches:
+        """Epoch ``epoch``'s training batches from batch ``skip`` on (at most the
+        limited count per epoch; unshuffled with ``overfit_batches``)."""
         ordered = epoch_loader(
             loader,
             epoch=epoch,
@@ -523,13 +634,17 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
             own=self.use_distributed_sampler,
             rank=jax.process_index(),
             replicas=jax.process_count(),
+            shuffle=False if self.overfit_batches is not None else None,
         )
-        return self._batches(
-            ordered,
-            "train_dataloaders",
-            allow_empty=skip > 0,
-            total=self._common_total(loader, ordered, skip),
-        )
+        total = self._common_total(loader, ordered, skip)
+        per_epoch = self._epoch_batch_count(loader)
+        if self.schedule.limit_train_batches is not None and per_epoch is not None:
+            remaining = max(per_epoch - skip, 0)
+            if total is None:
+                ordered = BatchSlice(ordered, 0, remaining)
+            else:
+                total = min(total, remaining)
+        return self._batches(ordered, "train_dataloaders", allow_empty=skip > 0, total=total)
 
     def _common_total(self, loader: Any, ordered: Any, skip: int = 0) -> int | None:
         """The batch count every process runs, in a multi-process run."""
@@ -549,10 +664,18 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         return None
 
     def _step_limit_reached(self) -> bool:
-        return self.max_steps >= 0 and self.global_step >= self.max_steps
+        return self.schedule.step_limit_reached(self.global_step)
+
+    def _epoch_batch_count(self, loader: Any) -> int | None:
+        """Training batches per epoch: the loader's (this process's share in a
+        multi-process run), cut by ``limit_train_batches``."""
+        n = self._num_batches_plain(loader)
+        if jax.process_count() > 1 and self.use_distributed_sampler and n is not None:
+            n = common_num_batches(loader, jax.process_count())
+        return self.schedule.batches("train", n)
 
     def _num_batches(self, loader: Iterable[Any], skip: int = 0) -> int | None:
-        n = self._num_batches_plain(loader)
+        n = self._epoch_batch_count(loader)
         if n is None:
             return None
         n -= skip
