@@ -50,15 +50,23 @@ def epoch_limit(max_epochs: Any, max_steps: Any) -> tuple[int | None, int]:
     return (None if max_epochs == -1 else max_epochs), max_steps
 
 
-def step_options(clip_val: Any, clip_algorithm: Any, log_grad_norm: Any) -> StepOptions:
+def step_options(
+    clip_val: Any, clip_algorithm: Any, log_grad_norm: Any, accumulate: Any = 1
+) -> StepOptions:
     """The train step's gradient options, checked."""
+    accumulate = int_arg("accumulate_grad_batches", accumulate, minimum=1)
+    if accumulate > 1 and log_grad_norm:
+        raise ValueError(
+            "log_grad_norm with accumulate_grad_batches > 1 is not supported yet; "
+            "turn one of them off"
+        )
     if clip_val is not None:
         if isinstance(clip_val, bool) or not isinstance(clip_val, (int, float)) or clip_val <= 0:
             raise ValueError(f"gradient_clip_val={clip_val!r}: use a positive number or None")
         clip_val = float(clip_val)
     if clip_algorithm not in ("norm", "value"):
         raise ValueError(f"gradient_clip_algorithm={clip_algorithm!r}: use 'norm' or 'value'")
-    return StepOptions(clip_val, clip_algorithm, bool(log_grad_norm))
+    return StepOptions(clip_val, clip_algorithm, bool(log_grad_norm), accumulate)
 
 
 def optimizer(module: Any, *, manual: bool = False) -> Any:

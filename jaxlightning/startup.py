@@ -23,7 +23,13 @@ from jaxlightning.data import DeviceBatch
 from jaxlightning.evaluation import shard_shapes
 from jaxlightning.module import JaxModule
 from jaxlightning.state import create_train_state
-from jaxlightning.step import TrainMetrics, build_train_step, checked_setup, zero_train_metrics
+from jaxlightning.step import (
+    TrainMetrics,
+    build_flush,
+    build_train_step,
+    checked_setup,
+    zero_train_metrics,
+)
 
 # For programs that run once (the initial state): XLA's optimisation level 1
 # and, on CPU, its older fusion emitters compile the random initialisers of an
@@ -88,7 +94,8 @@ class StartupMixin:
                 variables = checked_setup(module, init_rng, example)
             if tx is None:
                 return variables
-            return create_train_state(variables, tx, train_rng)
+            accumulate = self.step_options.accumulate_grad_batches
+            return create_train_state(variables, tx, train_rng, accumulate)
 
         return jax.jit(jl_init), (self.seed, module.variables, self._example(first))
 
@@ -129,12 +136,21 @@ class StartupMixin:
         if isinstance(train_step, Precompiled):
             threads.callback(train_step.join)
         self._train_step = train_step
+        self._flush = None
+        if self.step_options.accumulate_grad_batches > 1:
+            self._flush = self.strategy.compile(
+                build_flush(tx, self.step_options),
+                sharded_args=(False,),
+                sharded_out=False,
+                donate_argnums=(0,),
+            )
         state = pending_state.result()
         acc = acc0
         if resume is not None:
             restored = restore(resume, {"state": state, "acc": acc0})
             state, acc = restored["state"], restored["acc"]
             self._load_states(module, meta or {})
+        self._micro = int(getattr(state, "micro", 0))  # micro-batches since the last update
         self._state = self.strategy.replicate(state)
         self._acc = self.strategy.replicate(acc)
         self._eval_fns.clear()

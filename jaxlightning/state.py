@@ -56,8 +56,46 @@ class TrainState:
         )
 
 
+@flax.struct.dataclass
+class AccumulatingState(TrainState):
+    """A `TrainState` that sums gradients over micro-batches between updates
+    (``accumulate_grad_batches``).
+
+    Attributes:
+        grad_sum: the gradient summed over the real rows of the micro-batches
+            since the last update (zeros after one).
+        rows: how many real rows that sum covers.
+        micro: micro-batches since the last update.
+    """
+
+    grad_sum: Any
+    rows: jax.Array
+    micro: jax.Array
+
+    def accumulate(self, grad_sum: Any, rows: jax.Array) -> AccumulatingState:
+        """Adds one micro-batch's summed gradient and row count."""
+        return self.replace(
+            grad_sum=jax.tree.map(jax.numpy.add, self.grad_sum, grad_sum),
+            rows=self.rows + rows,
+            micro=self.micro + 1,
+        )
+
+    def apply_accumulated(self, tx: optax.GradientTransformation, clip: Any) -> AccumulatingState:
+        """One optimizer update with the mean gradient accumulated so far; starts over."""
+        grads = clip(jax.tree.map(lambda g: g / self.rows, self.grad_sum))
+        updated = self.apply_gradients(tx, grads)
+        return updated.replace(
+            grad_sum=jax.tree.map(jax.numpy.zeros_like, self.grad_sum),
+            rows=jax.numpy.zeros_like(self.rows),
+            micro=jax.numpy.zeros_like(self.micro),
+        )
+
+
 def create_train_state(
-    variables: dict[str, Any], tx: optax.GradientTransformation, rng: jax.Array
+    variables: dict[str, Any],
+    tx: optax.GradientTransformation,
+    rng: jax.Array,
+    accumulate: int = 1,
 ) -> TrainState:
     """Builds the initial state from flax ``variables`` (``setup``'s return value)."""
     if "params" not in variables:
@@ -67,10 +105,15 @@ def create_train_state(
         )
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
-    return TrainState(
-        step=jax.numpy.zeros((), jax.numpy.int32),
-        params=params,
-        opt_state=tx.init(params),
-        model_state=model_state,
-        rng=rng,
-    )
+    fields = {
+        "step": jax.numpy.zeros((), jax.numpy.int32),
+        "params": params,
+        "opt_state": tx.init(params),
+        "model_state": model_state,
+        "rng": rng,
+    }
+    if accumulate == 1:
+        return TrainState(**fields)
+    zero = jax.numpy.zeros((), jax.numpy.int32)
+    grad_sum = jax.tree.map(jax.numpy.zeros_like, params)
+    return AccumulatingState(**fields, grad_sum=grad_sum, rows=zero, micro=zero)

@@ -49,11 +49,14 @@ class StepOptions:
             ``"value"`` (``optax.clip``, element-wise).
         log_grad_norm: log the global norm of the averaged gradient, before
             clipping, as ``train/grad_norm``.
+        accumulate_grad_batches: micro-batches per optimizer update; the state
+            is then an `AccumulatingState` that sums their gradients.
     """
 
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
     log_grad_norm: bool = False
+    accumulate_grad_batches: int = 1
 
     def clip(self, grads: Any) -> Any:
         if self.gradient_clip_val is None:
@@ -237,8 +240,12 @@ def build_train_step(
     of its optimizers, and each `Optimizers.step` it calls is such an update.
     """
 
+    k = options.accumulate_grad_batches
+
     def jl_train_step(state, acc, batch, mask):
-        rngs = device_keys(state.rng, state.step, module.rng_streams)
+        # With accumulation every micro-batch gets its own keys.
+        key_step = state.step if k == 1 else state.step * k + state.micro
+        rngs = device_keys(state.rng, key_step, module.rng_streams)
 
         def objective(params):
             variables = {"params": params, **state.model_state}
@@ -253,6 +260,20 @@ def build_train_step(
         grads, (metrics, updates) = jax.grad(objective, has_aux=True)(state.params)
         (grads, summed_updates), metrics = across_devices(AXIS, metrics, (grads, updates))
         n_real = metrics["loss"].count
+        updates = pmean_floats(summed_updates, updates, jax.lax.axis_size(AXIS))
+        finite = jnp.isfinite(metrics["loss"].total)
+        if k > 1:  # sum this micro-batch in; update once k are in
+            state = state.accumulate(grads, n_real).replace(
+                model_state={**state.model_state, **updates}
+            )
+            new_state = jax.lax.cond(
+                state.micro == k,
+                lambda s: s.apply_accumulated(tx, options.clip),
+                lambda s: s,
+                state,
+            )
+            step = state.step * k + state.micro  # micro-batches, for the non-finite report
+            return new_state, _merge_train(acc, metrics, step, finite, "loss")
         grads = jax.tree.map(lambda g: g / n_real, grads)
         if options.log_grad_norm:  # the same on every device: counts once per step
             norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
@@ -260,9 +281,7 @@ def build_train_step(
                 total=norm.astype(jnp.float32), count=jnp.ones((), jnp.int32)
             )
         grads = options.clip(grads)
-        updates = pmean_floats(summed_updates, updates, jax.lax.axis_size(AXIS))
         new_state = state.apply_gradients(tx, grads, updates)
-        finite = jnp.isfinite(metrics["loss"].total)
         return new_state, _merge_train(acc, metrics, new_state.step, finite, "loss")
 
     def jl_manual_train_step(state, acc, batch, mask):
@@ -289,6 +308,16 @@ def build_train_step(
         return new_state, _merge_train(acc, metrics, new_state.step, finite, "training_step")
 
     return jl_manual_train_step if is_manual(module) else jl_train_step
+
+
+def build_flush(tx: Any, options: StepOptions) -> Callable[[Any], Any]:
+    """``state -> state`` applying the gradient accumulated so far (an epoch that
+    ends between two updates: Lightning updates with what it has)."""
+
+    def jl_flush(state):
+        return state.apply_accumulated(tx, options.clip)
+
+    return jl_flush
 
 
 def build_eval_step(

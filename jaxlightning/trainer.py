@@ -118,6 +118,12 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         gradient_clip_algorithm: ``"norm"`` or ``"value"``.
         log_grad_norm: log the global norm of the averaged gradient (before
             clipping) as ``train/grad_norm``.
+        accumulate_grad_batches: sum the gradients of this many consecutive
+            batches (exactly, weighted by their real rows) into one optimizer
+            update, as one batch that many times larger would; each batch is
+            its own dispatch, so memory is that of one batch. ``global_step``
+            and ``max_steps`` count updates; an epoch's leftover batches make
+            one last, smaller update.
         default_root_dir: where logs go (default: the working directory).
         logger: ``True`` for a `TensorBoardLogger`, ``False`` for none, a
             `Logger`, or a list of them (each gets every value).
@@ -167,6 +173,7 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
         log_grad_norm: bool = False,
+        accumulate_grad_batches: int = 1,
         default_root_dir: str | os.PathLike[str] | None = None,
         logger: bool | Logger | Sequence[Logger] = True,
         enable_progress_bar: bool = True,
@@ -219,7 +226,7 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         seed = default_seed() if seed is None else seed
         self.seed = checks.int_arg("seed", seed, minimum=0)
         self.step_options = checks.step_options(
-            gradient_clip_val, gradient_clip_algorithm, log_grad_norm
+            gradient_clip_val, gradient_clip_algorithm, log_grad_norm, accumulate_grad_batches
         )
         self.default_root_dir = os.fspath(default_root_dir or os.getcwd())
         distributed.initialize(num_nodes)  # before anything touches the devices
@@ -268,6 +275,8 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         self._fit_started = 0.0  # time.monotonic() when training began, for max_time
         self._time_up = False
         self._validate_at_epoch_end = False
+        self._micro = 0
+        self._flush: Any = None
         self._train_loader: Any = None
         self.stage: str | None = None  # "fit", "validate", "test" or "predict" while running
 
@@ -298,7 +307,9 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         Readable in ``configure_optimizers`` to size schedules."""
         if self._train_loader is None:
             raise RuntimeError("estimated_stepping_batches is known once fit has its loaders")
-        return self.schedule.estimated_steps(self._epoch_batch_count(self._train_loader))
+        batches = self._epoch_batch_count(self._train_loader)
+        k = self.step_options.accumulate_grad_batches
+        return self.schedule.estimated_steps(None if batches is None else -(-batches // k))
 
     @property
     def num_devices(self) -> int:
@@ -425,6 +436,11 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
             raise TypeError(
                 f"{type(module).__name__} defines both loss() and training_step(); define "
                 "loss() (one update from one loss) or training_step() (manual optimization)"
+            )
+        if manual and self.step_options.accumulate_grad_batches > 1:
+            raise ValueError(
+                "accumulate_grad_batches with manual optimization (training_step) is not "
+                "supported; accumulate inside training_step or use optax.MultiSteps"
             )
         if val_dataloaders is not None:
             self._check_module(module, eval_hook(module, "validation"))
@@ -553,9 +569,9 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
                 self._state, self._acc, batch.data, batch.mask
             )
             self._throttle(self._acc)
-            self.global_step += 1
+            updated = self._count_update()
             self._progress = (epoch, batch_idx + 1)
-            at_report = self.global_step % self.log_every_n_steps == 0
+            at_report = updated and self.global_step % self.log_every_n_steps == 0
             if at_report:
                 self._report_train(acc0)
             self._stop_signal = self._agreed_signal(at_report)
@@ -565,6 +581,20 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
             if val_dataloaders is not None and not self._stop_signal:  # else after resuming
                 self._validate_after(module, val_dataloaders, epoch, batch_idx + 1, epoch_batches)
         self.epoch_completed = True
+        if self._micro:  # an epoch ending between two updates updates with what it has
+            self._state = self._flush(self._state)
+            self._micro = 0
+            self.global_step += 1
+
+    def _count_update(self) -> bool:
+        """Counts a dispatched micro-batch; whether it completed an optimizer update
+        (every ``accumulate_grad_batches`` of them): ``global_step`` counts updates."""
+        self._micro += 1
+        if self._micro < self.step_options.accumulate_grad_batches:
+            return False
+        self._micro = 0
+        self.global_step += 1
+        return True
 
     def _validate_after(
         self, module: JaxModule, val_dataloaders: Any, epoch: int, done: int, total: int | None
@@ -679,8 +709,9 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         if n is None:
             return None
         n -= skip
-        if self.max_steps >= 0:
-            n = min(n, self.max_steps - self.global_step)
+        if self.max_steps >= 0:  # batches left until the last update
+            k = self.step_options.accumulate_grad_batches
+            n = min(n, (self.max_steps - self.global_step) * k - self._micro)
         return n
 
     def _fetch(self, tree: Any) -> Any:

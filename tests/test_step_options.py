@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+import jaxlightning as jl
 from tests.helpers import MLP, LitMLP, digits, init_mlp, loader, max_abs_diff, quiet_trainer
 
 
@@ -78,3 +79,54 @@ def test_clipping_applies_to_each_manual_optimization_step():
     moved = max_abs_diff(clipped.variables["params"], start)
     assert 0 < moved < max_abs_diff(free.variables["params"], start)
     assert np.isfinite(moved)
+
+
+def test_accumulating_4_batches_of_32_equals_batches_of_128_on_8_devices(tmp_path):
+    x, y = digits(200)  # 7 batches of 32 (the last of 8): updates after 4, then after 3
+
+    def fit(batch, **kw):
+        module = LitMLP(init_variables=init_mlp(), lr=3e-3)
+        trainer = quiet_trainer(max_epochs=2, log_every_n_steps=1, **kw)
+        trainer.fit(module, loader(x, y, batch))
+        return module.variables, trainer
+
+    accumulated, trainer = fit(
+        32, accumulate_grad_batches=4, default_root_dir=tmp_path, enable_checkpointing=True
+    )
+    whole, reference = fit(128)
+    assert max_abs_diff(accumulated, whole) < 1e-5
+    assert trainer.global_step == reference.global_step == 4  # optimizer updates
+    assert max_abs_diff(trainer.state.opt_state, reference.state.opt_state) < 1e-5
+    from jaxlightning.checkpoint import complete_checkpoints, read_meta
+
+    meta = read_meta(complete_checkpoints(tmp_path / "checkpoints")[-1])
+    assert meta["progress"] == {"epoch": 2, "batch": 0, "global_step": 4}
+
+
+def test_accumulation_resumes_bit_exactly(tmp_path):
+    x, y = digits(200)
+    ckpt = jl.ModelCheckpoint(every_n_train_steps=1)  # saves after each update
+
+    class StopAfterBatch(jl.Callback):  # stop 2 micro-batches into the second update
+        def on_train_batch_end(self, trainer, module, batch_idx):
+            if batch_idx == 4:
+                trainer.should_stop = True
+
+    def fit(max_epochs, callbacks, ckpt_path=None):
+        module = LitMLP(init_variables=init_mlp(), lr=3e-3, dropout=0.2)
+        trainer = quiet_trainer(
+            max_epochs=max_epochs,
+            accumulate_grad_batches=3,
+            default_root_dir=tmp_path,
+            callbacks=callbacks,
+        )
+        trainer.fit(module, loader(x, y, 32, shuffle=True), ckpt_path=ckpt_path)
+        return module.variables, trainer
+
+    straight, _ = fit(2, [])
+    # Checkpoints are per update: the last one is after batch 3, with nothing pending;
+    # the resumed run redoes batches 4 and 5 of that accumulation.
+    fit(2, [ckpt, StopAfterBatch()])
+    resumed, trainer = fit(2, [], ckpt_path="last")
+    assert max_abs_diff(straight, resumed) == 0.0
+    assert trainer.global_step == 6  # ceil(7 / 3) = 3 updates per epoch
