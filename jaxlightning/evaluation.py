@@ -130,7 +130,7 @@ class EvaluationMixin:
             key = ("eval", hook, module, shapes)
             if key not in self._eval_fns:
                 compiled = self.strategy.compile(
-                    build_eval_step(module, hook),
+                    build_eval_step(module, hook, self.step_options.precision),
                     sharded_args=(False, False, True, True),
                     sharded_out=False,
                 )
@@ -264,7 +264,9 @@ class EvaluationMixin:
             key = ("predict", module)
             if key not in self._eval_fns:
                 self._eval_fns[key] = self.strategy.compile(
-                    build_predict_step(module), sharded_args=(False, True, True), sharded_out=True
+                    build_predict_step(module, self.step_options.precision),
+                    sharded_args=(False, True, True),
+                    sharded_out=True,
                 )
             predict_step = self._eval_fns[key]
             outputs = []

@@ -69,3 +69,14 @@ def pmean_floats(summed: Any, original: Any, n_devices: int) -> Any:
         return s / n_devices if jnp.issubdtype(o.dtype, jnp.floating) else o
 
     return jax.tree.map(mean, summed, original)
+
+
+def like(updates: Mapping[str, Any], model_state: Mapping[str, Any]) -> dict[str, Any]:
+    """Mutated collections in the dtypes the state keeps them in (a bfloat16
+    forward pass must not change the state's types, or every step recompiles)."""
+    return {
+        name: jax.tree.map(
+            lambda u, old: jnp.asarray(u).astype(old.dtype), value, model_state[name]
+        )
+        for name, value in updates.items()
+    }

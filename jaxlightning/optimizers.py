@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlightning.losses import masked_loss_sum, pmean_floats, split_loss_output
+from jaxlightning.losses import like, masked_loss_sum, pmean_floats, split_loss_output
+from jaxlightning.precision import for_compute
 from jaxlightning.state import TrainState
 
 ALL = "*"  # the one group of a single transformation in manual optimization
@@ -82,10 +83,12 @@ class Optimizers:
         reduce: Any,
         axis: str,
         clip: Callable[[Any], Any] = lambda grads: grads,
+        precision: str = "32-true",
     ) -> None:
         self._txs = groups.txs
         self._axis = axis
         self._clip = clip
+        self._precision = precision
         self.state = state
         self._mask = mask
         self._reduce = reduce  # (tree) -> tree summed over the devices
@@ -128,9 +131,10 @@ class Optimizers:
 
         def objective(sub: Any) -> Any:
             params = sub if everything else {**state.params, group: sub}
-            loss, updates = split_loss_output(fn(params), state.model_state)
+            out = fn(for_compute(params, self._precision))
+            loss, updates = split_loss_output(out, state.model_state)
             total, count = masked_loss_sum(loss, self._mask)
-            return total, (count, updates)
+            return total, (count, like(updates, state.model_state))
 
         own = state.params if everything else state.params[group]
         (total, (count, updates)), grads = jax.value_and_grad(objective, has_aux=True)(own)

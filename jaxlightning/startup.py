@@ -22,6 +22,7 @@ from jaxlightning.compiling import Precompiled, compile_with_options, in_backgro
 from jaxlightning.data import DeviceBatch
 from jaxlightning.evaluation import shard_shapes
 from jaxlightning.module import JaxModule
+from jaxlightning.precision import for_storage
 from jaxlightning.state import create_train_state
 from jaxlightning.step import (
     TrainMetrics,
@@ -92,6 +93,7 @@ class StartupMixin:
             init_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
             if variables is None:
                 variables = checked_setup(module, init_rng, example)
+            variables = for_storage(variables, self.step_options.precision)
             if tx is None:
                 return variables
             accumulate = self.step_options.accumulate_grad_batches

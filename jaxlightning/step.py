@@ -26,10 +26,11 @@ import numpy as np
 import optax
 from clu import metrics as clu_metrics
 
-from jaxlightning.losses import masked_loss_sum, pmean_floats, split_loss_output
+from jaxlightning.losses import like, masked_loss_sum, pmean_floats, split_loss_output
 from jaxlightning.metrics import Average, LogOptions, across_devices, from_logged, zero
 from jaxlightning.module import JaxModule
 from jaxlightning.optimizers import Optimizers
+from jaxlightning.precision import for_compute
 from jaxlightning.state import TrainState
 
 AXIS = "batch"
@@ -51,12 +52,14 @@ class StepOptions:
             clipping, as ``train/grad_norm``.
         accumulate_grad_batches: micro-batches per optimizer update; the state
             is then an `AccumulatingState` that sums their gradients.
+        precision: see `jaxlightning.precision`.
     """
 
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
     log_grad_norm: bool = False
     accumulate_grad_batches: int = 1
+    precision: str = "32-true"
 
     def clip(self, grads: Any) -> Any:
         if self.gradient_clip_val is None:
@@ -248,10 +251,11 @@ def build_train_step(
         rngs = device_keys(state.rng, key_step, module.rng_streams)
 
         def objective(params):
-            variables = {"params": params, **state.model_state}
+            variables = {"params": for_compute(params, options.precision), **state.model_state}
             with module._collect_logs("loss", mask, state.step) as logged:
-                out = module.loss(variables, batch, rngs)
+                out = module.loss(variables, for_compute(batch, options.precision), rngs)
             loss, updates = split_loss_output(out, state.model_state)
+            updates = like(updates, state.model_state)
             total, count = masked_loss_sum(loss, mask)
             metrics = _logged_metrics(logged, mask)
             metrics["loss"] = Average(total=total, count=count)
@@ -290,9 +294,9 @@ def build_train_step(
         def reduce(tree: Any) -> Any:
             return across_devices(AXIS, {}, tree)[0]
 
-        optimizers = Optimizers(tx, state, mask, reduce, AXIS, options.clip)
+        optimizers = Optimizers(tx, state, mask, reduce, AXIS, options.clip, options.precision)
         with module._collect_logs("training_step", mask, state.step) as logged:
-            out = module.training_step(optimizers, batch, rngs)
+            out = module.training_step(optimizers, for_compute(batch, options.precision), rngs)
         if out is not None:
             raise TypeError(
                 f"training_step() returned {type(out).__name__}; it returns nothing: "
@@ -321,14 +325,15 @@ def build_flush(tx: Any, options: StepOptions) -> Callable[[Any], Any]:
 
 
 def build_eval_step(
-    module: JaxModule, hook: str = "eval_step"
+    module: JaxModule, hook: str = "eval_step", precision: str = "32-true"
 ) -> Callable[[dict[str, Any], Metrics, Any, jax.Array], Metrics]:
     """Per-device eval step ``(variables, acc, batch, mask) -> acc`` running the
     module's ``hook`` (``eval_step``, ``validation_step`` or ``test_step``)."""
 
     def jl_eval_step(variables, acc, batch, mask):
+        variables = {**variables, "params": for_compute(variables["params"], precision)}
         with module._collect_logs(hook, mask) as logged:
-            getattr(module, hook)(variables, batch)
+            getattr(module, hook)(variables, for_compute(batch, precision))
         if not logged:
             raise ValueError(
                 f"{type(module).__name__}.{hook} logged nothing; call self.log(name, "
@@ -340,12 +345,20 @@ def build_eval_step(
     return jl_eval_step
 
 
-def build_predict_step(module: JaxModule) -> Callable[[dict[str, Any], Any, jax.Array], Any]:
-    """Per-device predict step ``(variables, batch, mask) -> outputs`` (per-example rows)."""
+def build_predict_step(
+    module: JaxModule, precision: str = "32-true"
+) -> Callable[[dict[str, Any], Any, jax.Array], Any]:
+    """Per-device predict step ``(variables, batch, mask) -> outputs`` (per-example
+    rows; in float32 under ``bf16-mixed``)."""
 
     def jl_predict_step(variables, batch, mask):
+        variables = {**variables, "params": for_compute(variables["params"], precision)}
         with module._collect_logs("predict_step", mask) as logged:
-            out = module.predict_step(variables, batch)
+            out = module.predict_step(variables, for_compute(batch, precision))
+        if precision == "bf16-mixed":
+            out = jax.tree.map(
+                lambda o: o.astype(jnp.float32) if o.dtype == jnp.bfloat16 else o, out
+            )
         if logged:
             raise ValueError(
                 f"predict_step logged {sorted(logged)}; predict returns outputs and logs "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import os
@@ -30,6 +31,7 @@ from jaxlightning.evaluation import EvaluationMixin, eval_hook
 from jaxlightning.hooks import HooksMixin, as_loggers
 from jaxlightning.loggers import Logger, TensorBoardLogger
 from jaxlightning.module import JaxModule
+from jaxlightning.precision import resolve as precision_setting
 from jaxlightning.reporting import report
 from jaxlightning.resume import CheckpointingMixin
 from jaxlightning.sampling import BatchSlice, common_num_batches, epoch_loader
@@ -118,6 +120,10 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         gradient_clip_algorithm: ``"norm"`` or ``"value"``.
         log_grad_norm: log the global norm of the averaged gradient (before
             clipping) as ``train/grad_norm``.
+        precision: ``"32-true"`` (default), ``"bf16-mixed"`` (float32 master
+            parameters and optimizer state, bfloat16 forward and backward passes,
+            float32 loss, gradients and metrics), ``"bf16-true"`` or
+            ``"64-true"``; any flax model, no per-layer dtypes needed.
         accumulate_grad_batches: sum the gradients of this many consecutive
             batches (exactly, weighted by their real rows) into one optimizer
             update, as one batch that many times larger would; each batch is
@@ -174,6 +180,7 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         gradient_clip_algorithm: str = "norm",
         log_grad_norm: bool = False,
         accumulate_grad_batches: int = 1,
+        precision: str | int = "32-true",
         default_root_dir: str | os.PathLike[str] | None = None,
         logger: bool | Logger | Sequence[Logger] = True,
         enable_progress_bar: bool = True,
@@ -227,6 +234,9 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         self.seed = checks.int_arg("seed", seed, minimum=0)
         self.step_options = checks.step_options(
             gradient_clip_val, gradient_clip_algorithm, log_grad_norm, accumulate_grad_batches
+        )
+        self.step_options = dataclasses.replace(
+            self.step_options, precision=precision_setting(precision)
         )
         self.default_root_dir = os.fspath(default_root_dir or os.getcwd())
         distributed.initialize(num_nodes)  # before anything touches the devices

@@ -130,3 +130,37 @@ def test_accumulation_resumes_bit_exactly(tmp_path):
     resumed, trainer = fit(2, [], ckpt_path="last")
     assert max_abs_diff(straight, resumed) == 0.0
     assert trainer.global_step == 6  # ceil(7 / 3) = 3 updates per epoch
+
+
+def test_bf16_mixed_trains_digits_within_a_point_of_float32_with_float32_state():
+    x, y = digits(1500)
+    vx, vy = digits(297, 1500)
+
+    def fit(precision):
+        module = LitMLP(hidden=64, lr=1e-2, init_variables=init_mlp(64))
+        trainer = quiet_trainer(max_epochs=10, precision=precision)
+        trainer.fit(module, loader(x, y, 128, shuffle=True))
+        (result,) = trainer.validate(module, loader(vx, vy, 128))
+        return result["val/acc"], trainer.state
+
+    acc32, _ = fit("32-true")
+    acc16, state = fit("bf16-mixed")
+    assert acc32 > 0.9 and abs(acc16 - acc32) <= 0.01
+    for leaf in jax.tree.leaves((state.params, state.opt_state)):
+        assert leaf.dtype in (np.float32, np.int32), leaf.dtype
+
+
+def test_bf16_true_keeps_parameters_in_bfloat16_and_other_settings_are_named():
+    import jax.numpy as jnp
+
+    trainer = quiet_trainer(max_steps=2, precision="bf16-true")
+    trainer.fit(LitMLP(), loader(*digits(32), 16))
+    assert {leaf.dtype for leaf in jax.tree.leaves(trainer.state.params)} == {
+        jnp.dtype(jnp.bfloat16)
+    }
+    with pytest.raises(ValueError, match="float16 needs loss scaling"):
+        quiet_trainer(precision="16-mixed")
+    with pytest.raises(ValueError, match="64-true' needs 64-bit JAX"):
+        quiet_trainer(precision="64-true")
+    with pytest.raises(ValueError, match=r"precision='fp8': use one of"):
+        quiet_trainer(precision="fp8")

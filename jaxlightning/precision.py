@@ -1,0 +1,68 @@
+"""Numeric precision of the step: Lightning's ``precision`` settings for JAX.
+
+``"32-true"``: everything in float32. ``"bf16-mixed"``: float32 master
+parameters and optimizer state; the forward and backward passes see bfloat16
+copies of the parameters and of the batch's floating inputs, while the loss,
+the gradient that reaches the optimizer and every logged value stay float32.
+``"bf16-true"``: parameters, optimizer state and inputs in bfloat16.
+``"64-true"``: float64, which JAX allows only with ``JAX_ENABLE_X64=1``.
+No flax module needs its own dtype settings: the casts happen around it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true")
+_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "64": "64-true", 64: "64-true"}
+
+
+def resolve(precision: Any) -> str:
+    """A ``precision`` setting, checked (Lightning's short names accepted)."""
+    value = _ALIASES.get(precision, precision)
+    if value in ("16-mixed", "16-true", 16, "16"):
+        raise ValueError(
+            f"precision={precision!r}: float16 needs loss scaling, which is not supported; "
+            "use 'bf16-mixed' (same speed on current accelerators, no scaling needed)"
+        )
+    if value not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: use one of {PRECISIONS}")
+    if value == "64-true" and not jax.config.jax_enable_x64:
+        raise ValueError(
+            "precision='64-true' needs 64-bit JAX: set JAX_ENABLE_X64=1 in the environment "
+            "before jax is imported (or jax.config.update('jax_enable_x64', True) first)"
+        )
+    return value
+
+
+def _cast_floats(tree: Any, dtype: Any) -> Any:
+    def cast(x: Any) -> Any:
+        x = jnp.asarray(x)
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(cast, tree)
+
+
+def compute_dtype(precision: str) -> Any:
+    """The dtype of the forward and backward passes (``None``: unchanged)."""
+    return {"bf16-mixed": jnp.bfloat16, "bf16-true": jnp.bfloat16, "64-true": jnp.float64}.get(
+        precision
+    )
+
+
+def for_compute(tree: Any, precision: str) -> Any:
+    """Floating leaves of ``tree`` (parameters, a batch) in the compute dtype."""
+    dtype = compute_dtype(precision)
+    return tree if dtype is None else _cast_floats(tree, dtype)
+
+
+def for_storage(tree: Any, precision: str) -> Any:
+    """Floating leaves of the initial variables in the dtype they are kept in."""
+    if precision == "bf16-true":
+        return _cast_floats(tree, jnp.bfloat16)
+    if precision == "64-true":
+        return _cast_floats(tree, jnp.float64)
+    return tree
