@@ -5,6 +5,7 @@ from jaxlightning import loggers as loggers
 from jaxlightning import strategies as strategies
 from jaxlightning.callbacks import Callback as Callback
 from jaxlightning.callbacks import EarlyStopping as EarlyStopping
+from jaxlightning.callbacks import LearningRateMonitor as LearningRateMonitor
 from jaxlightning.callbacks import ModelCheckpoint as ModelCheckpoint
 from jaxlightning.callbacks import TQDMProgressBar as TQDMProgressBar
 from jaxlightning.checkpoint import CheckpointError as CheckpointError

@@ -58,3 +58,44 @@ def test_a_missing_metric_is_named_unless_not_strict(tmp_path):
     lenient = quiet_trainer(max_epochs=2, callbacks=[jl.EarlyStopping("val/nope", strict=False)])
     lenient.fit(LitMLP(), loader(x, y, 16), loader(x, y, 16))
     assert lenient.current_epoch == 2
+
+
+def test_learning_rate_monitor_logs_the_rate_each_update_used():
+    import optax
+
+    schedule = optax.linear_schedule(0.1, 0.0, transition_steps=16)
+
+    class Scheduled(LitMLP):
+        def configure_optimizers(self):
+            return optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
+
+    class Record(jl.Logger):
+        log_dir = ""
+
+        def __init__(self):
+            self.points = {}
+
+        def log_hyperparams(self, params):
+            pass
+
+        def log_metrics(self, metrics, step):
+            for key, value in metrics.items():
+                self.points.setdefault(key, {})[step] = value
+
+    x, y = digits(64)  # 8 steps per epoch
+    injected, by_schedule = Record(), Record()
+    for logger, monitor in [
+        (injected, jl.LearningRateMonitor()),
+        (by_schedule, jl.LearningRateMonitor(schedule=schedule, name="lr")),
+    ]:
+        trainer = quiet_trainer(
+            max_epochs=2, log_every_n_steps=4, logger=logger, callbacks=[monitor]
+        )
+        trainer.fit(Scheduled(), loader(x, y, 8))
+    expected = {s: pytest.approx(float(schedule(s - 1))) for s in (4, 8, 12, 16)}
+    assert injected.points["lr-Scheduled"] == expected
+    assert by_schedule.points["lr"] == expected
+    with pytest.raises(ValueError, match="found no learning rate in the optimizer state"):
+        quiet_trainer(max_steps=1, log_every_n_steps=1, callbacks=[jl.LearningRateMonitor()]).fit(
+            LitMLP(), loader(x, y, 8)
+        )

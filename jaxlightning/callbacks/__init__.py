@@ -3,4 +3,5 @@
 from jaxlightning.callbacks.base import Callback as Callback
 from jaxlightning.callbacks.checkpoint import ModelCheckpoint as ModelCheckpoint
 from jaxlightning.callbacks.early_stopping import EarlyStopping as EarlyStopping
+from jaxlightning.callbacks.lr_monitor import LearningRateMonitor as LearningRateMonitor
 from jaxlightning.callbacks.progress import TQDMProgressBar as TQDMProgressBar
