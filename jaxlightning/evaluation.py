@@ -59,7 +59,12 @@ class EvaluationMixin:
                 self._fit_module = None
             return self.strategy.replicate(module.variables)
         if self._state is not None and self._fit_module is module:
-            return self._state.variables
+            variables = self._state.variables
+            for callback in self.callbacks:  # EMA evaluates with its average
+                swap = getattr(callback, "evaluation_variables", None)
+                if swap is not None:
+                    variables = swap(self, variables)
+            return variables
         if module.variables is None:
             warnings.warn(
                 f"{type(module).__name__} has no trained variables (fit was not run and no "

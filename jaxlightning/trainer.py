@@ -456,6 +456,15 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
             self._check_module(module, eval_hook(module, "validation"))
         self._train_loader = train_dataloaders
         tx = checks.optimizer(module, manual=manual)
+        for callback in self.callbacks:  # features that live in the optimizer (EMA)
+            transform = getattr(callback, "transform_optimizer", None)
+            if transform is not None:
+                if manual:
+                    raise ValueError(
+                        f"{type(callback).__name__} changes the optimizer, which manual "
+                        "optimization (training_step) does not support"
+                    )
+                tx = transform(tx)
         if self.max_epochs != 1:
             checks.reiterable(train_dataloaders, "train_dataloaders", passes="once per epoch")
         for loader in _as_list(val_dataloaders):

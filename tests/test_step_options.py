@@ -164,3 +164,28 @@ def test_bf16_true_keeps_parameters_in_bfloat16_and_other_settings_are_named():
         quiet_trainer(precision="64-true")
     with pytest.raises(ValueError, match=r"precision='fp8': use one of"):
         quiet_trainer(precision="fp8")
+
+
+def test_ema_is_the_average_of_the_parameter_trajectory_and_validates():
+    from tests.helpers import np_logits
+
+    decay = 0.8
+    trajectory = []
+
+    class Track(jl.Callback):
+        def on_train_batch_end(self, trainer, module, batch_idx):
+            trajectory.append(jax.device_get(trainer.state.params))
+
+    x, y = digits(64)
+    ema = jl.callbacks.EMA(decay, apply_at_end=True)
+    module = LitMLP(init_variables=init_mlp(), lr=3e-2)
+    trainer = quiet_trainer(max_epochs=2, callbacks=[ema, Track()], num_sanity_val_steps=0)
+    trainer.fit(module, loader(x, y, 16), loader(x, y, 64))
+    expected = jax.tree.map(np.asarray, init_mlp()["params"])
+    for params in trajectory:  # 8 updates
+        expected = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, expected, params)
+    assert max_abs_diff(ema.ema_variables["params"], expected) < 1e-6
+    assert max_abs_diff(trainer.state.params, expected) > 1e-3  # not the raw parameters
+    assert module.variables is ema.ema_variables
+    acc = (np_logits(expected, x).argmax(-1) == y).mean()
+    assert trainer.callback_metrics["val/acc"] == pytest.approx(acc)  # validated with the EMA

@@ -3,5 +3,6 @@
 from jaxlightning.callbacks.base import Callback as Callback
 from jaxlightning.callbacks.checkpoint import ModelCheckpoint as ModelCheckpoint
 from jaxlightning.callbacks.early_stopping import EarlyStopping as EarlyStopping
+from jaxlightning.callbacks.ema import EMA as EMA
 from jaxlightning.callbacks.lr_monitor import LearningRateMonitor as LearningRateMonitor
 from jaxlightning.callbacks.progress import TQDMProgressBar as TQDMProgressBar

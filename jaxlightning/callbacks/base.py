@@ -35,6 +35,11 @@ class Callback:
 
     A stateful callback returns its state from `state_dict`; it is saved in
     checkpoints and handed back to `load_state_dict` when a run resumes.
+
+    Two optional methods let a callback work inside the compiled step (see
+    `EMA`): ``transform_optimizer(tx) -> tx`` is applied to the optimizer when
+    `fit` starts, and ``evaluation_variables(trainer, variables) -> variables``
+    chooses the variables evaluation uses during `fit`.
     """
 
     def setup(self, trainer: Trainer, module: JaxModule, stage: str) -> None: ...
