@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+import jaxlightning as jl
 from benchmarks import common, lightning_arm
 
 
@@ -52,6 +53,35 @@ def vs_bare_jit(size: dict[str, int], rounds: int) -> dict[str, Any]:
             "params_max_diff": common.max_diff(res["bare"][0][1], res["trainer"][0][1]),
         }
     return out
+
+
+def step_extras(size: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Arm 9: clipping + accumulation (4 batches) + EMA on, vs a bare jit loop doing
+    the same, 1 device, batch 128."""
+    batch, k, clip, decay = 128, 4, 1.0, 0.999
+    x, y = common.data(size["steps"] * batch, 64)
+    dl = common.loader(x, y, batch)
+    res = common.interleave(
+        max(rounds, 5) if rounds > 1 else rounds,
+        {
+            "bare": lambda: common.bare_jit_extras_epochs(dl, size["epochs"], k, clip, decay),
+            "trainer": lambda: common.trainer_epochs(
+                dl,
+                size["epochs"],
+                callbacks=(jl.callbacks.EMA(decay),),
+                devices=1,
+                accumulate_grad_batches=k,
+                gradient_clip_val=clip,
+            ),
+        },
+    )
+    bare = [common.steady(t) for t, _ in res["bare"]]
+    ours = [common.steady(t) for t, _ in res["trainer"]]
+    return {
+        "ratio": _median([b / o for b, o in zip(bare, ours, strict=True)]),
+        "best_ratio": min(bare) / min(ours),
+        "params_max_diff": common.max_diff(res["bare"][0][1], res["trainer"][0][1]),
+    }
 
 
 def vs_seeds_pmap(size: dict[str, int], rounds: int) -> dict[str, Any]:

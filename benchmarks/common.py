@@ -10,6 +10,7 @@ from typing import Any
 import flax.jax_utils
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import torch
@@ -102,13 +103,15 @@ class EpochTimes(jl.Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def trainer_epochs(dl: DataLoader, epochs: int, **trainer_kw: Any) -> tuple[list[float], Any]:
+def trainer_epochs(
+    dl: DataLoader, epochs: int, callbacks: tuple = (), **trainer_kw: Any
+) -> tuple[list[float], Any]:
     """Trainer.fit for ``epochs``; returns the epoch times and final params."""
     times = EpochTimes()
     trainer_kw.setdefault("logger", False)
     trainer_kw.setdefault("enable_checkpointing", False)
     trainer = jl.Trainer(
-        max_epochs=epochs, enable_progress_bar=False, callbacks=[times], **trainer_kw
+        max_epochs=epochs, enable_progress_bar=False, callbacks=[times, *callbacks], **trainer_kw
     )
     module = LitMLP()
     module.variables = init_params(dl.dataset.tensors[0].shape[1])
@@ -137,6 +140,51 @@ def bare_jit_epochs(dl: DataLoader, epochs: int) -> tuple[list[float], Any]:
         start = time.perf_counter()
         for x, y in dl:
             params, opt_state = step(params, opt_state, x.numpy(), y.numpy())
+        jax.block_until_ready(params)
+        times.append(time.perf_counter() - start)
+    return times, jax.device_get(params)
+
+
+def bare_jit_extras_epochs(
+    dl: DataLoader, epochs: int, accumulate: int, clip: float, decay: float
+) -> tuple[list[float], Any]:
+    """A hand-written loop with gradient accumulation (summed over rows, one
+    update every ``accumulate`` batches and at an epoch's end), clipping by
+    global norm, and an EMA of the parameters: what the Trainer does with
+    ``accumulate_grad_batches``, ``gradient_clip_val`` and the `EMA` callback."""
+    net, tx = MLP(), optax.chain(optax.clip_by_global_norm(clip), optax.adam(LR))
+    params = init_params(dl.dataset.tensors[0].shape[1])
+    opt_state, ema = tx.init(params), params
+    zeros = jax.tree.map(jnp.zeros_like, params)
+
+    @jax.jit
+    def micro(gsum, params, x, y):
+        def loss_sum(p):
+            logits = net.apply(p, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).sum()
+
+        return jax.tree.map(jnp.add, gsum, jax.grad(loss_sum)(params))
+
+    @jax.jit
+    def update(params, opt_state, ema, gsum, rows):
+        grads = jax.tree.map(lambda g: g / rows, gsum)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, ema, params)
+        return params, opt_state, ema
+
+    times = []
+    for _ in range(epochs):
+        start = time.perf_counter()
+        gsum, rows, pending = zeros, 0, 0
+        for x, y in dl:
+            gsum = micro(gsum, params, x.numpy(), y.numpy())
+            rows, pending = rows + len(x), pending + 1
+            if pending == accumulate:
+                params, opt_state, ema = update(params, opt_state, ema, gsum, rows)
+                gsum, rows, pending = zeros, 0, 0
+        if pending:
+            params, opt_state, ema = update(params, opt_state, ema, gsum, rows)
         jax.block_until_ready(params)
         times.append(time.perf_counter() - start)
     return times, jax.device_get(params)

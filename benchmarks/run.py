@@ -24,7 +24,17 @@ QUICK = {"steps": 6, "epochs": 2, "fit_epochs": 2, "short_samples": 512}
 
 GROUPS: dict[str, tuple[int, list[str]]] = {
     # group: (devices, arms)
-    "single": (1, ["vs_bare_jit", "vs_seeds_pmap", "vs_lightning", "logging_cost", "slow_loader"]),
+    "single": (
+        1,
+        [
+            "vs_bare_jit",
+            "vs_seeds_pmap",
+            "vs_lightning",
+            "logging_cost",
+            "slow_loader",
+            "step_extras",
+        ],
+    ),
     "multi": (8, ["vs_seeds_pmap", "strategies"]),
     "startup": (1, ["startup"]),
 }
@@ -36,6 +46,7 @@ TARGETS: list[tuple[str, float, bool]] = [
     ("single.vs_bare_jit.batch_128_per_example.ratio", 0.90, True),
     ("single.vs_bare_jit.batch_1024_per_example.ratio", 0.97, True),
     ("single.vs_lightning.samples_per_s_ratio", 2.0, True),
+    ("single.step_extras.ratio", 0.90, True),
     ("single.logging_cost.every_50_vs_off", 0.98, True),
     ("startup.startup.warm_over_cold_first_step", 0.5, False),
     ("startup.startup.cold_fit_over_lightning", 2.0, False),
