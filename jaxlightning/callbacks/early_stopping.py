@@ -37,7 +37,10 @@ class EarlyStopping(Callback):
         verbose: print why training stops (process 0).
 
     Attributes:
-        best_score, wait_count, stopped_epoch, stopping_reason.
+        best_score: the best value seen.
+        wait_count: checks since it last improved.
+        stopped_epoch: the epoch in which it stopped training (0 if it did not).
+        stopping_reason: why it stopped ("" if it did not).
     """
 
     def __init__(
