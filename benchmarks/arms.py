@@ -120,12 +120,11 @@ def vs_lightning(size: dict[str, int], rounds: int) -> dict[str, Any]:
         times = common.EpochTimes()
         with tempfile.TemporaryDirectory() as root:
             start = time.perf_counter()
-            import jaxlightning as jl
-
             trainer = jl.Trainer(
                 max_epochs=epochs,
                 devices=1,
                 enable_progress_bar=False,
+                enable_model_summary=False,  # as the Lightning arm
                 default_root_dir=root,
                 callbacks=[times],
             )

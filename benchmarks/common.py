@@ -111,7 +111,11 @@ def trainer_epochs(
     trainer_kw.setdefault("logger", False)
     trainer_kw.setdefault("enable_checkpointing", False)
     trainer = jl.Trainer(
-        max_epochs=epochs, enable_progress_bar=False, callbacks=[times, *callbacks], **trainer_kw
+        max_epochs=epochs,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[times, *callbacks],
+        **trainer_kw,
     )
     module = LitMLP()
     module.variables = init_params(dl.dataset.tensors[0].shape[1])

@@ -70,6 +70,7 @@ def main() -> None:
     trainer = jl.Trainer(
         max_epochs=1,
         enable_progress_bar=False,
+        enable_model_summary=False,  # as the Lightning arm
         default_root_dir=args.root,
         compilation_cache_dir=args.cache,
         callbacks=[First()],

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxlightning import checks, compile_cache, distributed
 from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
+from jaxlightning.callbacks.monitors import JaxProfiler, ModelSummary
 from jaxlightning.checkpoint import read_meta, restore_variables
 from jaxlightning.data import (
     Batches,
@@ -154,6 +155,10 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         compilation_cache_dir: keep compiled programs in this folder (JAX's
             persistent cache, set process-wide, small programs included), so a
             later run of the same model starts without compiling.
+        enable_model_summary: print the parameter table when `fit` starts
+            (a `ModelSummary` callback) unless ``callbacks`` has one.
+        profiler: ``"jax"`` records a ``jax.profiler`` trace of a few steps into
+            the run directory (a `JaxProfiler` callback), for TensorBoard.
     """
 
     def __init__(
@@ -191,6 +196,8 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         use_distributed_sampler: bool = True,
         num_nodes: int | None = None,
         compilation_cache_dir: str | os.PathLike[str] | None = None,
+        enable_model_summary: bool = True,
+        profiler: str | None = None,
     ) -> None:
         max_epochs, max_steps = checks.epoch_limit(max_epochs, max_steps)
         self.log_every_n_steps = checks.int_arg("log_every_n_steps", log_every_n_steps, minimum=1)
@@ -260,9 +267,16 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
             and not any(isinstance(c, TQDMProgressBar) for c in self.callbacks)
         ):
             self.callbacks.append(TQDMProgressBar())
+        if enable_model_summary and not any(isinstance(c, ModelSummary) for c in self.callbacks):
+            self.callbacks.insert(0, ModelSummary())
+        if profiler not in (None, "jax"):
+            raise ValueError(f"profiler={profiler!r}: use 'jax' or None")
+        if profiler == "jax":
+            self.callbacks.append(JaxProfiler())
 
         self.global_step = 0
         self.current_epoch = 0
+        self.train_samples_seen = 0  # real rows this process has trained on
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
@@ -588,6 +602,7 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
                 self._state, self._acc, batch.data, batch.mask
             )
             self._throttle(self._acc)
+            self.train_samples_seen += batch.host.real
             updated = self._count_update()
             self._progress = (epoch, batch_idx + 1)
             at_report = updated and self.global_step % self.log_every_n_steps == 0

@@ -116,6 +116,7 @@ def quiet_trainer(**kwargs) -> jl.Trainer:
     kwargs.setdefault("enable_progress_bar", False)
     kwargs.setdefault("logger", False)
     kwargs.setdefault("enable_checkpointing", False)
+    kwargs.setdefault("enable_model_summary", False)
     return jl.Trainer(**kwargs)
 
 

@@ -1,0 +1,173 @@
+"""Callbacks that watch a run: model summary, timer, throughput, profiler."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import jax
+from clu import parameter_overview
+
+from jaxlightning import distributed
+from jaxlightning.callbacks.base import Callback
+from jaxlightning.schedule import parse_max_time
+
+if TYPE_CHECKING:
+    from jaxlightning.module import JaxModule
+    from jaxlightning.trainer import Trainer
+
+
+class ModelSummary(Callback):
+    """Prints a table of the parameters (name, shape, dtype, size) when `fit`
+    starts, on process 0; on by default (``Trainer(enable_model_summary=False)``
+    turns it off). Shapes only: nothing is copied from the devices.
+
+    Args:
+        max_lines: the most rows shown (``None``: all).
+
+    Attributes:
+        summary: the last table printed.
+    """
+
+    def __init__(self, max_lines: int | None = 40) -> None:
+        self.max_lines = max_lines
+        self.summary = ""
+
+    def on_fit_start(self, trainer: Trainer, module: JaxModule) -> None:
+        if not distributed.is_rank_zero():
+            return
+        shapes = jax.eval_shape(lambda state: state.params, trainer.state)
+        self.summary = parameter_overview.get_parameter_overview(
+            shapes, include_stats=False, max_lines=self.max_lines
+        )
+        print(self.summary, flush=True)
+
+
+class Timer(Callback):
+    """Measures the time spent in each stage, and stops training after
+    ``duration`` (as ``Trainer(max_time=...)`` does), counting time across
+    resumes: the elapsed training time is saved in checkpoints.
+
+    Args:
+        duration: ``"DD:HH:MM:SS"``, a dict of ``timedelta`` keywords, a
+            ``timedelta``, or ``None`` to only measure.
+    """
+
+    def __init__(self, duration: Any = None) -> None:
+        self.duration = parse_max_time(duration)
+        self._elapsed: dict[str, float] = {}
+        self._started: dict[str, float] = {}
+
+    def setup(self, trainer: Trainer, module: JaxModule, stage: str) -> None:
+        self._started[stage] = time.monotonic()
+
+    def teardown(self, trainer: Trainer, module: JaxModule, stage: str) -> None:
+        self._elapsed[stage] = self.time_elapsed(stage)
+        self._started.pop(stage, None)
+
+    def time_elapsed(self, stage: str = "fit") -> float:
+        """Seconds spent in ``stage`` (``"fit"``, ``"validate"``, ...), so far."""
+        running = time.monotonic() - self._started[stage] if stage in self._started else 0.0
+        return self._elapsed.get(stage, 0.0) + running
+
+    def time_remaining(self) -> float | None:
+        """Seconds left of ``duration`` for `fit` (``None`` without one)."""
+        return None if self.duration is None else max(self.duration - self.time_elapsed(), 0.0)
+
+    def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
+        if self.duration is not None and self.time_remaining() == 0.0:
+            trainer.should_stop = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fit": self.time_elapsed("fit")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # the resumed fit started counting already; add what the run before spent
+        self._elapsed["fit"] = self._elapsed.get("fit", 0.0) + float(state.get("fit", 0.0))
+
+
+class ThroughputMonitor(Callback):
+    """Logs ``throughput/samples_per_sec`` and ``throughput/step_time`` (seconds per
+    optimizer step) over each logging interval, and ``throughput/compile_time``
+    (seconds XLA spent compiling since the fit began) once the first interval
+    ends. Samples are this process's real (unpadded) rows; wall time includes
+    everything the loop does, so the figures are what the run achieves.
+    """
+
+    def __init__(self) -> None:
+        self._compile = 0.0
+        self._listening = False
+        self._mark: tuple[float, int, int] | None = None
+        self._reported_compile = False
+
+    def _on_event(self, event: str, duration: float, **kwargs: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self._compile += duration
+
+    def on_fit_start(self, trainer: Trainer, module: JaxModule) -> None:
+        if not self._listening:
+            jax.monitoring.register_event_duration_secs_listener(self._on_event)
+            self._listening = True
+        self._compile, self._reported_compile = 0.0, False
+        self._mark = None
+
+    def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
+        now, step, rows = time.monotonic(), trainer.global_step, trainer.train_samples_seen
+        if self._mark is None:  # the first step includes compiling: start after it
+            self._mark = (now, step, rows)
+            return
+        if step == self._mark[1] or step % trainer.log_every_n_steps:
+            return
+        start, start_step, start_rows = self._mark
+        values = {
+            "throughput/samples_per_sec": (rows - start_rows) / (now - start),
+            "throughput/step_time": (now - start) / (step - start_step),
+        }
+        if not self._reported_compile:
+            values["throughput/compile_time"] = self._compile
+            self._reported_compile = True
+        for name, value in values.items():
+            module.log(name, value)
+        self._mark = (now, step, rows)
+
+
+class JaxProfiler(Callback):
+    """Records a ``jax.profiler`` trace of ``num_steps`` training steps from
+    ``start_step`` into ``{log_dir}/plugins/profile/``, where TensorBoard's
+    profile tab (``pip install tensorboard-plugin-profile``) shows it.
+    ``Trainer(profiler="jax")`` adds one with the defaults.
+
+    Args:
+        start_step: the global step after which tracing starts (after the first
+            steps, so compiling is not in the trace).
+        num_steps: how many steps to trace.
+        dirpath: where to write (default: the run's log directory, else
+            ``default_root_dir``).
+    """
+
+    def __init__(self, start_step: int = 5, num_steps: int = 3, dirpath: str | None = None):
+        self.start_step, self.num_steps, self.dirpath = start_step, num_steps, dirpath
+        self._tracing = False
+        self.trace_dir = ""
+
+    def _stop(self, trainer: Trainer) -> None:
+        if self._tracing:
+            jax.block_until_ready(trainer._state)  # the traced steps' device work
+            jax.profiler.stop_trace()
+            self._tracing = False
+
+    def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self.start_step and not self._tracing and not self.trace_dir:
+            root = self.dirpath or trainer.log_dir or trainer.default_root_dir
+            self.trace_dir = root
+            os.makedirs(root, exist_ok=True)
+            jax.profiler.start_trace(root)
+            self._tracing = True
+        elif self._tracing and step >= self.start_step + self.num_steps:
+            self._stop(trainer)
+
+    def teardown(self, trainer: Trainer, module: JaxModule, stage: str) -> None:
+        if stage == "fit":
+            self._stop(trainer)
