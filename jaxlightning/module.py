@@ -86,6 +86,7 @@ class JaxModule:
         self._mask: jax.Array | None = None
         self._step: jax.Array | None = None
         self._trainer: Any = None
+        self._nnx: Any = None  # an NnxGraph while an NNX model is trained
 
     # ------------------------------------------------------------ the run
     @property
@@ -127,7 +128,10 @@ class JaxModule:
 
     # ----------------------------------------------------------------- hooks
     def setup(self, rng: jax.Array, batch: Any) -> dict[str, Any]:
-        """Once per run: returns the initial flax variables.
+        """Once per run: returns the initial flax variables (linen).
+
+        Not needed for a Flax NNX model kept as ``self.model`` (built in
+        ``__init__``): the Trainer splits it into its variables itself.
 
         Runs traced, under one ``jax.jit`` (the initialisers then compile into
         one program, much faster than one by one): ``batch`` holds abstract
@@ -196,6 +200,37 @@ class JaxModule:
     def predict_step(self, variables: dict[str, Any], batch: Any) -> Any:
         """Traced, one device's shard: returns per-example outputs (a pytree)."""
         raise NotImplementedError
+
+    # ------------------------------------------------ calling traced hooks
+    def _nnx_model(self) -> Any:
+        """The NNX model to train (``self.model``), when this module uses one."""
+        from jaxlightning.nnx_support import is_nnx
+
+        model = getattr(self, "model", None)
+        return model if is_nnx(model) and not type(self)._overrides("setup") else None
+
+    def _streams(self) -> tuple[str, ...]:
+        return self._nnx.streams if self._nnx is not None else self.rng_streams
+
+    def _call_loss(self, variables: Any, batch: Any, rngs: dict[str, jax.Array]) -> Any:
+        """`loss` with what it takes: flax variables and ``rngs``, or the merged
+        NNX model (its mutated variables come back as updates)."""
+        if self._nnx is None:
+            return self.loss(variables, batch, rngs)
+        model = self._nnx.merge(variables, rngs, train=True)
+        out = self.loss(model, batch)
+        if isinstance(out, tuple):
+            raise TypeError(
+                "an NNX model's loss() returns the loss only; BatchNorm statistics and "
+                "other variables it changes are taken from the model"
+            )
+        return out, self._nnx.updates(model)
+
+    def _call_eval(self, hook: str, variables: Any, batch: Any) -> Any:
+        """An evaluation hook (or ``predict_step``) with the variables or the model."""
+        if self._nnx is not None:
+            variables = self._nnx.merge(variables, None, train=False)
+        return getattr(self, hook)(variables, batch)
 
     # --------------------------------------------------------------- logging
     @property

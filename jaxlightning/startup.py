@@ -22,6 +22,7 @@ from jaxlightning.compiling import Precompiled, compile_with_options, in_backgro
 from jaxlightning.data import DeviceBatch
 from jaxlightning.evaluation import shard_shapes
 from jaxlightning.module import JaxModule
+from jaxlightning.nnx_support import NnxGraph
 from jaxlightning.precision import for_storage
 from jaxlightning.state import create_train_state
 from jaxlightning.step import (
@@ -89,6 +90,10 @@ class StartupMixin:
     def _init_program(
         self, module: JaxModule, tx: optax.GradientTransformation | None, first: DeviceBatch
     ) -> tuple[Any, tuple[Any, ...]]:
+        model = module._nnx_model()
+        if model is not None and module._nnx is None:  # split on the host, once
+            module._nnx = NnxGraph(model)
+
         def jl_init(seed, variables, example):
             init_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
             if variables is None:

@@ -176,6 +176,8 @@ _HOST_ONLY_ERRORS = (
 
 def checked_setup(module: JaxModule, rng: jax.Array, example: Any) -> dict[str, Any]:
     """``module.setup(rng, example)`` under a trace, its result checked."""
+    if module._nnx is not None:
+        return module._nnx.variables()
     try:
         variables = module.setup(rng, example)
     except _HOST_ONLY_ERRORS as exc:
@@ -204,7 +206,7 @@ def zero_train_metrics(
 ) -> tuple[TrainMetrics, Options]:
     """An empty `TrainMetrics` for ``module``'s logs (``batch``: one device's
     shard), and the options of every name, ``"loss"`` included."""
-    rngs = {s: state.rng for s in module.rng_streams}
+    rngs = {s: state.rng for s in module._streams()}
     if is_manual(module):
 
         def manual(state: Any, batch: Any, rngs: Any) -> None:
@@ -213,7 +215,7 @@ def zero_train_metrics(
 
         options = _logged_names(module, "training_step", state, batch, rngs, call=manual)
     else:
-        logged = _logged_names(module, "loss", state.variables, batch, rngs)
+        logged = _logged_names(module, "loss", state.variables, batch, rngs, call=module._call_loss)
         logged["loss"] = LOSS_OPTIONS
         if options.log_grad_norm:
             logged["grad_norm"] = GRAD_NORM_OPTIONS
@@ -227,7 +229,11 @@ def zero_eval_metrics(
     module: JaxModule, hook: str, variables: Any, batch: Any
 ) -> tuple[Metrics, Options]:
     """Empty accumulators for what the evaluation ``hook`` logs, and their options."""
-    options = _logged_names(module, hook, variables, batch)
+
+    def call(variables: Any, batch: Any) -> None:
+        module._call_eval(hook, variables, batch)
+
+    options = _logged_names(module, hook, variables, batch, call=call)
     return {name: zero(opts) for name, opts in options.items()}, options
 
 
@@ -248,12 +254,12 @@ def build_train_step(
     def jl_train_step(state, acc, batch, mask):
         # With accumulation every micro-batch gets its own keys.
         key_step = state.step if k == 1 else state.step * k + state.micro
-        rngs = device_keys(state.rng, key_step, module.rng_streams)
+        rngs = device_keys(state.rng, key_step, module._streams())
 
         def objective(params):
             variables = {"params": for_compute(params, options.precision), **state.model_state}
             with module._collect_logs("loss", mask, state.step) as logged:
-                out = module.loss(variables, for_compute(batch, options.precision), rngs)
+                out = module._call_loss(variables, for_compute(batch, options.precision), rngs)
             loss, updates = split_loss_output(out, state.model_state)
             updates = like(updates, state.model_state)
             total, count = masked_loss_sum(loss, mask)
@@ -289,7 +295,7 @@ def build_train_step(
         return new_state, _merge_train(acc, metrics, new_state.step, finite, "loss")
 
     def jl_manual_train_step(state, acc, batch, mask):
-        rngs = device_keys(state.rng, state.step, module.rng_streams)
+        rngs = device_keys(state.rng, state.step, module._streams())
 
         def reduce(tree: Any) -> Any:
             return across_devices(AXIS, {}, tree)[0]
@@ -333,7 +339,7 @@ def build_eval_step(
     def jl_eval_step(variables, acc, batch, mask):
         variables = {**variables, "params": for_compute(variables["params"], precision)}
         with module._collect_logs(hook, mask) as logged:
-            getattr(module, hook)(variables, for_compute(batch, precision))
+            module._call_eval(hook, variables, for_compute(batch, precision))
         if not logged:
             raise ValueError(
                 f"{type(module).__name__}.{hook} logged nothing; call self.log(name, "
@@ -354,7 +360,7 @@ def build_predict_step(
     def jl_predict_step(variables, batch, mask):
         variables = {**variables, "params": for_compute(variables["params"], precision)}
         with module._collect_logs("predict_step", mask) as logged:
-            out = module.predict_step(variables, for_compute(batch, precision))
+            out = module._call_eval("predict_step", variables, for_compute(batch, precision))
         if precision == "bf16-mixed":
             out = jax.tree.map(
                 lambda o: o.astype(jnp.float32) if o.dtype == jnp.bfloat16 else o, out

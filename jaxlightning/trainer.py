@@ -455,7 +455,12 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
     ) -> None:
         manual = is_manual(module)
         objective = "training_step" if manual else "loss"
-        self._check_module(module, "setup", "configure_optimizers", objective)
+        init = () if module._nnx_model() is not None else ("setup",)
+        self._check_module(module, *init, "configure_optimizers", objective)
+        if manual and module._nnx_model() is not None:
+            raise ValueError(
+                "manual optimization (training_step) of NNX models is not supported yet"
+            )
         if manual and type(module)._overrides("loss"):
             raise TypeError(
                 f"{type(module).__name__} defines both loss() and training_step(); define "
@@ -514,6 +519,8 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
             self._progress = (self.current_epoch, skip)
             self._fit_loop(module, train_dataloaders, val_dataloaders, batches, skip, acc0)
         module.variables = self.strategy.unreplicate(self._state).variables
+        if module._nnx is not None:  # the user's NNX model holds the trained arrays
+            module._nnx.update(module.model, module.variables)
         self._call("on_train_end", module)
         self._call("on_fit_end", module)
 
