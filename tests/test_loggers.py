@@ -3,6 +3,7 @@
 
 import glob
 import struct
+import time
 
 import pytest
 
@@ -53,6 +54,12 @@ def test_wandb_offline_run_holds_every_logged_value(tmp_path):
     trainer = _fit_with(logger)
     logger.finish()
     (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    # wandb's writer process may still be flushing the file when finish() returns:
+    # wait (at most 30 s) for the run's closing record.
+    deadline = time.monotonic() + 30
+    while not any(r.HasField("exit") for r in _wandb_records(path)):
+        assert time.monotonic() < deadline, "the wandb run file was never completed"
+        time.sleep(0.2)
     history = []
     config = {}
     for record in _wandb_records(path):
