@@ -617,7 +617,7 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
                 self._report_train(acc0)
             self._stop_signal = self._agreed_signal(at_report)
             self._call("on_train_batch_end", module, batch_idx)
-            if self.schedule.time_up(time.monotonic() - self._fit_started):
+            if self._agreed_time_up(at_report):
                 self._time_up = self.should_stop = True
             if val_dataloaders is not None and not self._stop_signal:  # else after resuming
                 self._validate_after(module, val_dataloaders, epoch, batch_idx + 1, epoch_batches)
@@ -626,6 +626,16 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
             self._state = self._flush(self._state)
             self._micro = 0
             self.global_step += 1
+
+    def _agreed_time_up(self, at_report: bool) -> bool:
+        """Whether ``max_time`` has passed, by process 0's clock in a multi-process
+        run (asked at logging intervals, so that every process stops at one step)."""
+        if self.schedule.max_time is None:
+            return False
+        up = self.schedule.time_up(time.monotonic() - self._fit_started)
+        if jax.process_count() == 1:
+            return up
+        return at_report and bool(distributed.broadcast(np.bool_(up)))
 
     def _count_update(self) -> bool:
         """Counts a dispatched micro-batch; whether it completed an optimizer update

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 from clu import parameter_overview
 
 from jaxlightning import distributed
@@ -76,7 +77,14 @@ class Timer(Callback):
         return None if self.duration is None else max(self.duration - self.time_elapsed(), 0.0)
 
     def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
-        if self.duration is not None and self.time_remaining() == 0.0:
+        if self.duration is None:
+            return
+        up = self.time_remaining() == 0.0
+        if jax.process_count() > 1:  # every process stops at one step: process 0's clock
+            if trainer.global_step % trainer.log_every_n_steps:
+                return
+            up = bool(distributed.broadcast(np.bool_(up)))
+        if up:
             trainer.should_stop = True
 
     def state_dict(self) -> dict[str, Any]:
