@@ -29,30 +29,43 @@ def rejected_attempts() -> int:
     return _rejected_attempts
 
 
-def in_background(fn: Callable[[], Any]) -> Future[Any]:
-    """Runs ``fn`` on a daemon thread; ``result()`` waits for it, re-raising its error."""
-    future: Future[Any] = Future()
+class Background(Future):
+    """A function running on a daemon thread: a `Future` of its result that can
+    also `join` the thread itself."""
 
-    def work() -> None:
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__()
+        self._thread = threading.Thread(
+            target=self._work, args=(fn,), daemon=True, name="jl-compile"
+        )
+        self._thread.start()
+
+    def _work(self, fn: Callable[[], Any]) -> None:
         try:
-            future.set_result(fn())
+            self.set_result(fn())
         except BaseException as exc:  # handed to whoever waits on the result
-            future.set_exception(exc)
+            self.set_exception(exc)
 
-    threading.Thread(target=work, daemon=True, name="jl-compile").start()
-    return future
+    def join(self) -> None:
+        """Waits until the thread has ended (its error, if any, stays on the future)."""
+        self._thread.join()
 
 
-def join_quietly(future: Future[Any] | None) -> None:
-    """Waits for ``future`` to finish, ignoring its error.
+def in_background(fn: Callable[[], Any]) -> Background:
+    """Runs ``fn`` on a daemon thread; ``result()`` waits for it, re-raising its error."""
+    return Background(fn)
+
+
+def join_quietly(task: Background | None) -> None:
+    """Waits for ``task``'s thread to end, ignoring its error.
 
     A compile still running on a worker thread when the process exits aborts it
     (XLA's C++ is torn down under the thread), so every path out of the code
     that started one must wait for it; the error, if any, was or will be
     reported by whoever uses the result.
     """
-    if future is not None:
-        future.exception()
+    if task is not None:
+        task.join()
 
 
 def compile_with_options(lowered: Any, options: Mapping[str, Any]) -> Any:
@@ -95,12 +108,13 @@ class Precompiled:
     def __init__(self, jitted: Any, *example: Any) -> None:
         self._jitted = jitted
         lowered = jitted.trace(*example).lower()
-        self._pending: Future[Any] | None = in_background(lowered.compile)
+        self._task = in_background(lowered.compile)
+        self._pending: Background | None = self._task
         self._compiled: Any = None
 
     def join(self) -> None:
         """Waits for the ahead-of-time compile, if it still runs (errors ignored)."""
-        join_quietly(self._pending)
+        join_quietly(self._task)
 
     def __call__(self, *args: Any) -> Any:
         if self._pending is not None:

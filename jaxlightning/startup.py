@@ -11,14 +11,19 @@ out (one still running in XLA when the process exits aborts it).
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future
 from typing import Any
 
 import jax
 import optax
 
 from jaxlightning.checkpoint import restore
-from jaxlightning.compiling import Precompiled, compile_with_options, in_background, join_quietly
+from jaxlightning.compiling import (
+    Background,
+    Precompiled,
+    compile_with_options,
+    in_background,
+    join_quietly,
+)
 from jaxlightning.data import DeviceBatch
 from jaxlightning.evaluation import shard_shapes
 from jaxlightning.module import JaxModule
@@ -73,7 +78,7 @@ class StartupMixin:
 
     def _start_init_state(
         self, module: JaxModule, tx: optax.GradientTransformation, first: DeviceBatch
-    ) -> tuple[Any, Future[Any]]:
+    ) -> tuple[Any, Background]:
         """The initial train state's shapes now, and the state itself compiled
         and computed on a worker thread while the caller traces the train step.
         The caller must wait for the future on every path (`join_quietly`)."""
