@@ -98,6 +98,7 @@ class CheckpointWriter:
             ),
         )
         self._pending: int | None = None
+        self._reported = False  # a save's failure was raised already
 
     def path(self, step: int) -> str:
         return os.path.join(self.dirpath, str(step))
@@ -142,6 +143,7 @@ class CheckpointWriter:
 
     def _failed(self, exc: Exception) -> None:
         step, self._pending = self._pending, None
+        self._reported = True
         # Free the disk space of the half-written folder; it is never chosen anyway.
         for tmp in glob.glob(os.path.join(self.dirpath, f"{step}.orbax-checkpoint-tmp*")):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -158,11 +160,19 @@ class CheckpointWriter:
         self._manager.delete(step)
 
     def close(self) -> None:
-        """Waits for the pending save (raising its failure) and stops orbax's threads."""
+        """Waits for the pending save (raising its failure) and stops orbax's threads.
+
+        Orbax raises a failed save's error again when closing; once it has been
+        reported as a `CheckpointError`, it is not raised a second time.
+        """
         try:
             self.wait()
         finally:
-            self._manager.close()
+            try:
+                self._manager.close()
+            except Exception as exc:
+                if not self._reported:
+                    raise CheckpointError(f"closing {self.dirpath} failed: {exc}") from exc
 
 
 def complete_checkpoints(dirpath: str) -> list[str]:

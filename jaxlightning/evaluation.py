@@ -215,9 +215,12 @@ class EvaluationMixin:
             self._check_module(module, eval_hook(module, stage))
             _ = self.log_dir  # fixes the run directory on every process at once
             try:
-                return self._evaluate(stage, module, dataloaders, ckpt_path)
-            finally:
-                self._finalize_loggers()
+                results = self._evaluate(stage, module, dataloaders, ckpt_path)
+            except BaseException:
+                self._finalize_loggers(quiet=True)
+                raise
+            self._finalize_loggers()
+            return results
 
     @staticmethod
     def _stage_loaders(stage: str, dataloaders: Any, datamodule: Any) -> Any:

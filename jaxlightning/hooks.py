@@ -8,6 +8,7 @@ its own.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -107,6 +108,13 @@ class HooksMixin:
             for logger in self.loggers:
                 logger.log_metrics(self.logged_metrics, step=self.global_step)
 
-    def _finalize_loggers(self) -> None:
+    def _finalize_loggers(self, *, quiet: bool = False) -> None:
+        """Finalizes every logger; with ``quiet`` (a run already failing), a
+        logger's own failure becomes a warning instead of an exception."""
         for logger in self.loggers:
-            logger.finalize()
+            try:
+                logger.finalize()
+            except Exception as exc:
+                if not quiet:
+                    raise
+                warnings.warn(f"{type(logger).__name__}.finalize() failed: {exc}", stacklevel=2)

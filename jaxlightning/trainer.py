@@ -570,9 +570,15 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
                         self.current_epoch = epoch + 1
                     if self._stopping():
                         break
-        finally:
-            self._drain()
-            self._finalize_loggers()
+        except BaseException:
+            # Wind down without letting a second failure (a logger on a full disk,
+            # say) replace the error that stopped the run.
+            with contextlib.suppress(Exception):
+                self._drain()
+            self._finalize_loggers(quiet=True)
+            raise
+        self._drain()
+        self._finalize_loggers()
 
     def _train_epoch(
         self,

@@ -24,6 +24,9 @@ def main() -> None:
     p.add_argument("--dropout", type=float, default=0.3)
     p.add_argument("--every-n-train-steps", type=int)
     p.add_argument("--dirpath", help="ModelCheckpoint's folder")
+    p.add_argument(
+        "--fill-disk-after", type=int, help="once step K's checkpoint is complete, fill the disk"
+    )
     p.add_argument("--slow-after", type=int, help="sleep after each step from this step on")
     p.add_argument("--kill-during-save-at", type=int)
     args = p.parse_args()
@@ -45,10 +48,29 @@ def main() -> None:
                 if step == args.slow_after:
                     print("READY", flush=True)
                 time.sleep(0.05)
+            if args.fill_disk_after is not None and step == args.fill_disk_after + 1:
+                fill_disk(trainer.checkpoint_callback.dirpath, args.fill_disk_after)
             if step == args.kill_during_save_at:
                 path = trainer.checkpoint_callback.save(trainer, module)
                 print(f"SAVING {path}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def fill_disk(folder, step):
+        """Waits for checkpoint ``step`` to be complete, then fills its file system."""
+        from jaxlightning.checkpoint import complete_checkpoints
+
+        deadline = time.monotonic() + 60
+        while not any(p.endswith(f"/{step}") for p in complete_checkpoints(folder)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"checkpoint {step} never completed")
+            time.sleep(0.05)
+        try:
+            with open(os.path.join(folder, "..", "filler"), "wb", buffering=0) as f:
+                while True:
+                    f.write(b"\0" * 4096)
+        except OSError:  # no space left: what this fault is
+            pass
+        print(f"DISK FULL after step {step}", flush=True)
 
     x, y = digits(200)  # 7 batches of 32 per epoch, the last of 8 rows
     checkpoint = jl.ModelCheckpoint(args.dirpath, every_n_train_steps=args.every_n_train_steps)

@@ -49,11 +49,11 @@ def test_full_disk_and_read_only_folder_fail_clearly_and_keep_the_last_good_chec
     readonly = tmp_path / "readonly"
     full.mkdir()
     (readonly / "ck").mkdir(parents=True)
-    # 200 KiB holds one checkpoint of this model and its logs, not two.
+    # A real 1 MiB tmpfs, filled once the checkpoint of step 4 is complete.
     disk = _in_mount_namespace(
-        f"mount -t tmpfs -o size=200k tmpfs {full}",
-        f"--root {full} --max-steps 22 --every-n-train-steps 4",
-        f"cp -a {full} {kept}",
+        f"mount -t tmpfs -o size=1m tmpfs {full}",
+        f"--root {full} --max-steps 22 --every-n-train-steps 4 --fill-disk-after 4",
+        f"rm -f {full}/lightning_logs/version_0/filler; cp -a {full} {kept}",
     )
     ro = _in_mount_namespace(
         f"mount --bind {readonly}/ck {readonly}/ck && mount -o remount,ro,bind {readonly}/ck",
@@ -72,7 +72,8 @@ def test_full_disk_and_read_only_folder_fail_clearly_and_keep_the_last_good_chec
     good = re.search(r"The last complete checkpoint is (\S+)/(\d+)\n", out)
     assert failed and good, out
     assert good.group(1) == f"{full}/lightning_logs/version_0/checkpoints"
-    assert int(good.group(2)) < int(failed.group(1))
+    assert "DISK FULL after step 4" in out
+    assert (good.group(2), failed.group(1)) == ("4", "8")
     folder = kept / "lightning_logs/version_0/checkpoints"
     assert [Path(p).name for p in complete_checkpoints(folder)] == [good.group(2)]
     assert restore(folder / good.group(2))["state"]["step"] == int(good.group(2))

@@ -223,6 +223,9 @@ class ModelCheckpoint(Callback):
             if step in writer.steps():  # a folder left by another run: keep it aside
                 move_aside(writer.dirpath, [step])
             path = writer.save(step, tree, meta)
+        except CheckpointError as exc:  # a save that failed at once
+            self._pending = None
+            raise self._failure(exc) from exc
         except BaseException:
             self._pending = None
             self._update_best()
@@ -242,12 +245,16 @@ class ModelCheckpoint(Callback):
         try:
             self._writer.wait()
         except CheckpointError as exc:
-            self._update_best()
-            self.last_model_path = self._path(self._records[-1]["step"]) if self._records else ""
-            kept = self.last_model_path or "none"
-            raise CheckpointError(f"{exc}. The last complete checkpoint is {kept}") from exc
+            raise self._failure(exc) from exc
         self._records.append(record)
         self._prune()
+
+    def _failure(self, exc: CheckpointError) -> CheckpointError:
+        """A failed save's error, naming the checkpoint that is still there."""
+        self._update_best()
+        self.last_model_path = self._path(self._records[-1]["step"]) if self._records else ""
+        kept = self.last_model_path or "none"
+        return CheckpointError(f"{exc}. The last complete checkpoint is {kept}")
 
     def _rank_key(self, record: dict[str, Any]) -> tuple[bool, float, int]:
         score = record["score"]

@@ -81,14 +81,14 @@ class TensorBoardLogger(VersionedLogger):
         for name, value in metrics.items():
             writer.add_scalar(name, value, global_step=step)
 
-    def _write_experiment(self) -> None:
+    def _write_experiment_with(self, writer: SummaryWriter) -> None:
         """The HPARAMS tab's columns: the hparams and every metric logged so far
         (TensorBoard shows each metric's last value, e.g. the final val/acc)."""
         names = frozenset(self._metric_names - {"epoch"})
-        if self._hparams is None or not names or names == self._summarised or not self._writer:
+        if self._hparams is None or not names or names == self._summarised:
             return
         experiment, _, _ = hparams_summary(self._hparams, dict.fromkeys(sorted(names), 0.0))
-        self._writer.file_writer.add_summary(experiment)
+        writer.file_writer.add_summary(experiment)
         self._summarised = names
 
     def finalize(self) -> None:
@@ -97,6 +97,6 @@ class TensorBoardLogger(VersionedLogger):
         # another name) in the same run directory, which TensorBoard reads as
         # one run.
         if self._writer is not None:
-            self._write_experiment()
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None  # a later call opens a new one
+            self._write_experiment_with(writer)
+            writer.close()
