@@ -19,6 +19,8 @@ from jaxlightning.module import JaxModule as JaxModule
 from jaxlightning.seed import seed_everything as seed_everything
 from jaxlightning.state import TrainState as TrainState
 from jaxlightning.step import AXIS as AXIS
+from jaxlightning.strategies import FSDPStrategy as FSDPStrategy
+from jaxlightning.strategies import ModelParallelStrategy as ModelParallelStrategy
 from jaxlightning.strategies import PmapStrategy as PmapStrategy
 from jaxlightning.strategies import ShardMapStrategy as ShardMapStrategy
 from jaxlightning.strategies import Strategy as Strategy

@@ -57,7 +57,7 @@ class EvaluationMixin:
             module.variables = restore_variables(path, expected)
             if self._fit_module is module:  # its variables no longer are the fit's state
                 self._fit_module = None
-            return self.strategy.replicate(module.variables)
+            return self._place_variables(module, first, module.variables)
         if self._state is not None and self._fit_module is module:
             variables = self._state.variables
             for callback in self.callbacks:  # EMA evaluates with its average
@@ -71,7 +71,10 @@ class EvaluationMixin:
                 "ckpt_path given): evaluating the freshly initialised model",
                 stacklevel=4,
             )
-        return self.strategy.replicate(self._init_state(module, None, first))
+        variables = self._init_state(module, None, first)
+        if self.strategy.shards_state:  # built in place
+            return variables
+        return self.strategy.replicate(variables)
 
     def _evaluate(
         self,
@@ -129,7 +132,7 @@ class EvaluationMixin:
         with self._eval_batches(loader, f"the {stage} dataloader", limit) as batches:
             first = batches.first
             variables = self._eval_variables(module, first, ckpt_path)
-            rows = first.host.mask.shape[0] // self.strategy.num_local_devices
+            rows = first.host.mask.shape[0] // self.strategy.num_local_shards
             example = shard_shapes(first.host.data, rows)
             shapes = (jax.tree.structure(example), tuple(jax.tree.leaves(example)))
             key = ("eval", hook, module, shapes)

@@ -63,7 +63,7 @@ class CheckpointingMixin:
         self._drain()
         acc = self._fetch(self._acc)
         self._check_finite(acc)
-        tree = {"state": jax.device_get(self.strategy.unreplicate(self._state)), "acc": acc}
+        tree = {"state": self.strategy.checkpoint_arrays(self._state), "acc": acc}
         epoch, batch = self._progress
         states = {key: getattr(cb, "state_dict", dict)() for key, cb in self._callback_keys()}
         meta = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import flax.linen as nn
 import jax
 import optax
 
@@ -33,8 +34,11 @@ from jaxlightning.state import create_train_state
 from jaxlightning.step import (
     TrainMetrics,
     build_flush,
+    build_train_parts,
     build_train_step,
     checked_setup,
+    gradient_view,
+    is_manual,
     zero_train_metrics,
 )
 
@@ -53,7 +57,7 @@ class StartupMixin:
 
     def _example(self, first: DeviceBatch) -> Any:
         """One device's share of the first batch, for ``setup``."""
-        rows = first.host.mask.shape[0] // self.strategy.num_local_devices
+        rows = first.host.mask.shape[0] // self.strategy.num_local_shards
         return jax.tree.map(lambda x: x[:rows], first.host.data)
 
     def _init_state(
@@ -63,17 +67,21 @@ class StartupMixin:
         first: DeviceBatch,
         *,
         abstract: bool = False,
+        boxed: bool = False,
     ) -> Any:
         """The initial train state (or, without ``tx``, just the variables).
 
         One compiled function: building the state op by op would compile each
         initialiser separately, which dominates the start-up of small models.
         The module's own ``variables`` (from an earlier fit) take precedence.
-        With ``abstract``, only the shapes, without compiling or running.
+        With ``abstract``, only the shapes, without compiling or running (with
+        ``boxed`` too, flax partitioning annotations kept).
+        A strategy that shards the state has it built sharded, never whole on one device.
         """
-        init, args = self._init_program(module, tx, first)
         if abstract:
+            init, args = self._init_program(module, tx, first, plan=False, boxed=boxed)
             return jax.eval_shape(init, *args)
+        init, args = self._init_program(module, tx, first)
         return self._compile_once(init.trace(*args).lower())(*args)
 
     def _start_init_state(
@@ -93,8 +101,17 @@ class StartupMixin:
         return compile_with_options(lowered, options)
 
     def _init_program(
-        self, module: JaxModule, tx: optax.GradientTransformation | None, first: DeviceBatch
+        self,
+        module: JaxModule,
+        tx: optax.GradientTransformation | None,
+        first: DeviceBatch,
+        *,
+        plan: bool = True,
+        boxed: bool = False,
     ) -> tuple[Any, tuple[Any, ...]]:
+        """The jitted initialisation and its arguments. With ``plan``, a strategy
+        that shards the state lays it out first (from its annotated shapes), and
+        the program builds it with that layout."""
         model = module._nnx_model()
         if model is not None and module._nnx is None:  # split on the host, once
             module._nnx = NnxGraph(model)
@@ -105,11 +122,32 @@ class StartupMixin:
                 variables = checked_setup(module, init_rng, example)
             variables = for_storage(variables, self.step_options.precision)
             if tx is None:
-                return variables
-            accumulate = self.step_options.accumulate_grad_batches
-            return create_train_state(variables, tx, train_rng, accumulate)
+                out = variables
+            else:
+                accumulate = self.step_options.accumulate_grad_batches
+                out = create_train_state(variables, tx, train_rng, accumulate)
+            # Partitioning annotations only say where arrays go: the state holds
+            # plain arrays, laid out by the strategy.
+            return out if boxed else nn.meta.unbox(out)
 
-        return jax.jit(jl_init), (self.seed, module.variables, self._example(first))
+        args = (self.seed, module.variables, self._example(first))
+        if not (plan and self.strategy.shards_state):
+            return jax.jit(jl_init), args
+        annotated = jax.eval_shape(
+            self._init_program(module, tx, first, plan=False, boxed=True)[0], *args
+        )
+        if tx is None:
+            shardings = self.strategy.variables_shardings(annotated)
+        else:
+            shardings = self.strategy.plan(annotated)
+        return jax.jit(jl_init, out_shardings=shardings), args
+
+    def _place_variables(self, module: JaxModule, first: DeviceBatch, variables: Any) -> Any:
+        """Host (or other) ``variables`` placed as the evaluation steps expect."""
+        if not self.strategy.shards_state:
+            return self.strategy.replicate(variables)
+        annotated = self._init_state(module, None, first, abstract=True, boxed=True)
+        return jax.device_put(variables, self.strategy.variables_shardings(annotated))
 
     def _first_batch(self, loader: Any) -> DeviceBatch:
         """The first batch of epoch 0, for shapes (a resumed epoch may have none left)."""
@@ -134,28 +172,27 @@ class StartupMixin:
         """
         shapes, pending_state = self._start_init_state(module, tx, example)
         threads.callback(join_quietly, pending_state)
-        rows = example.host.mask.shape[0] // self.strategy.num_local_devices
+        rows = example.host.mask.shape[0] // self.strategy.num_local_shards
         acc0, self._train_options = zero_train_metrics(
             module, shapes, shard_shapes(example.host.data, rows), tx, self.step_options
         )
-        train_step = self.strategy.compile(
-            build_train_step(module, tx, self.step_options),
-            sharded_args=(False, False, True, True),
-            sharded_out=(False, False),
-            donate_argnums=(0,),
-        )
+        if is_manual(module):
+            train_step = self.strategy.compile(
+                build_train_step(module, tx, self.step_options),
+                sharded_args=(False, False, True, True),
+                sharded_out=(False, False),
+                donate_argnums=(0,),
+            )
+        else:
+            parts = build_train_parts(module, tx, self.step_options, self.strategy.reduce_grads())
+            train_step = self.strategy.compile_train(parts, gradient_view)
         train_step = self.strategy.precompile(train_step, shapes, acc0, example.data, example.mask)
         if isinstance(train_step, Precompiled):
             threads.callback(train_step.join)
         self._train_step = train_step
         self._flush = None
         if self.step_options.accumulate_grad_batches > 1:
-            self._flush = self.strategy.compile(
-                build_flush(tx, self.step_options),
-                sharded_args=(False,),
-                sharded_out=False,
-                donate_argnums=(0,),
-            )
+            self._flush = self.strategy.compile_global(build_flush(tx, self.step_options))
         state = pending_state.result()
         acc = acc0
         if resume is not None:
@@ -163,7 +200,7 @@ class StartupMixin:
             state, acc = restored["state"], restored["acc"]
             self._load_states(module, meta or {})
         self._micro = int(getattr(state, "micro", 0))  # micro-batches since the last update
-        self._state = self.strategy.replicate(state)
+        self._state = self.strategy.place_state(state)
         self._acc = self.strategy.replicate(acc)
         self._eval_fns.clear()
         self._fit_module = module

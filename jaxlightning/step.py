@@ -31,7 +31,7 @@ from jaxlightning.metrics import Average, LogOptions, across_devices, from_logge
 from jaxlightning.module import JaxModule
 from jaxlightning.optimizers import Optimizers
 from jaxlightning.precision import for_compute
-from jaxlightning.state import TrainState
+from jaxlightning.state import AccumulatingState, TrainState
 
 AXIS = "batch"
 """The device axis the step functions run over (exported as ``jl.AXIS``): name it in
@@ -237,21 +237,65 @@ def zero_eval_metrics(
     return {name: zero(opts) for name, opts in options.items()}, options
 
 
-def build_train_step(
-    module: JaxModule, tx: Any, options: StepOptions = StepOptions()
-) -> Callable[[TrainState, TrainMetrics, Any, jax.Array], tuple[TrainState, TrainMetrics]]:
-    """Per-device train step ``(state, acc, batch, mask) -> (state, acc)``.
+@dataclasses.dataclass(frozen=True)
+class TrainStepParts:
+    """The automatic train step in two parts, for strategies that run them apart.
+
+    Attributes:
+        gradients: per-device ``(view, batch, mask) -> (grads, updates, metrics)``:
+            the loss and its gradient on one device's shard, reduced across
+            devices (gradients summed over the real rows of the global batch,
+            collections averaged, logged values merged). ``view`` is the state
+            without what the gradient never reads (optimizer state, accumulated
+            gradients): see `gradient_view`.
+        apply: ``(state, acc, grads, updates, metrics) -> (state, acc)``: the
+            optimizer update and the metric accumulation. Its inputs are the
+            same on every device, so it can run per device (data parallel) or
+            once on globally sharded arrays (FSDP, tensor parallel).
+    """
+
+    gradients: Callable[..., Any]
+    apply: Callable[..., Any]
+
+    def per_device(self) -> Callable[..., Any]:
+        """The whole step as one per-device function."""
+
+        def jl_train_step(state, acc, batch, mask):
+            return self.apply(state, acc, *self.gradients(gradient_view(state), batch, mask))
+
+        return jl_train_step
+
+
+def gradient_view(state: TrainState) -> TrainState:
+    """``state`` without the arrays the gradient part never reads: a strategy
+    that shards the state gathers only the rest for each device."""
+    view = state.replace(opt_state=None)
+    if isinstance(state, AccumulatingState):
+        view = view.replace(grad_sum=None)
+    return view
+
+
+def build_train_parts(
+    module: JaxModule,
+    tx: Any,
+    options: StepOptions = StepOptions(),
+    reduce_grads: Callable[[Any], Any] | None = None,
+) -> TrainStepParts:
+    """The automatic train step (`JaxModule.loss`) as `TrainStepParts`.
 
     The gradient is that of the loss summed over the real examples of the global
     batch divided by their number: exact on padded batches, and equal to the
-    seeds' ``pmean`` of per-device mean gradients on full ones. A module with
-    `JaxModule.training_step` optimizes manually: ``tx`` is then the `Groups`
-    of its optimizers, and each `Optimizers.step` it calls is such an update.
+    seeds' ``pmean`` of per-device mean gradients on full ones.
+
+    Args:
+        reduce_grads: how the per-device gradient is summed across devices
+            (default: ``psum``, in one collective with the logged values); a
+            sharding strategy passes a reduce-scatter.
     """
 
     k = options.accumulate_grad_batches
 
-    def jl_train_step(state, acc, batch, mask):
+    def jl_gradients(state, batch, mask):
         # With accumulation every micro-batch gets its own keys.
         key_step = state.step if k == 1 else state.step * k + state.micro
         rngs = device_keys(state.rng, key_step, module._streams())
@@ -268,9 +312,16 @@ def build_train_step(
             return total, (metrics, updates)
 
         grads, (metrics, updates) = jax.grad(objective, has_aux=True)(state.params)
-        (grads, summed_updates), metrics = across_devices(AXIS, metrics, (grads, updates))
-        n_real = metrics["loss"].count
+        if reduce_grads is None:
+            (grads, summed_updates), metrics = across_devices(AXIS, metrics, (grads, updates))
+        else:
+            summed_updates, metrics = across_devices(AXIS, metrics, updates)
+            grads = reduce_grads(grads)
         updates = pmean_floats(summed_updates, updates, jax.lax.axis_size(AXIS))
+        return grads, updates, metrics
+
+    def jl_apply(state, acc, grads, updates, metrics):
+        n_real = metrics["loss"].count
         finite = jnp.isfinite(metrics["loss"].total)
         if k > 1:  # sum this micro-batch in; update once k are in
             state = state.accumulate(grads, n_real).replace(
@@ -293,6 +344,19 @@ def build_train_step(
         grads = options.clip(grads)
         new_state = state.apply_gradients(tx, grads, updates)
         return new_state, _merge_train(acc, metrics, new_state.step, finite, "loss")
+
+    return TrainStepParts(jl_gradients, jl_apply)
+
+
+def build_train_step(
+    module: JaxModule, tx: Any, options: StepOptions = StepOptions()
+) -> Callable[[TrainState, TrainMetrics, Any, jax.Array], tuple[TrainState, TrainMetrics]]:
+    """Per-device train step ``(state, acc, batch, mask) -> (state, acc)``.
+
+    `build_train_parts` as one function; a module with
+    `JaxModule.training_step` optimizes manually: ``tx`` is then the `Groups`
+    of its optimizers, and each `Optimizers.step` it calls is such an update.
+    """
 
     def jl_manual_train_step(state, acc, batch, mask):
         rngs = device_keys(state.rng, state.step, module._streams())
@@ -317,7 +381,9 @@ def build_train_step(
         finite = optimizers.finite
         return new_state, _merge_train(acc, metrics, new_state.step, finite, "training_step")
 
-    return jl_manual_train_step if is_manual(module) else jl_train_step
+    if is_manual(module):
+        return jl_manual_train_step
+    return build_train_parts(module, tx, options).per_device()
 
 
 def build_flush(tx: Any, options: StepOptions) -> Callable[[Any], Any]:

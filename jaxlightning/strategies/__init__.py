@@ -1,14 +1,22 @@
 """Strategies: how the per-device program is laid over the local devices."""
 
 from jaxlightning.strategies.base import Strategy as Strategy
+from jaxlightning.strategies.mesh import FSDPStrategy as FSDPStrategy
+from jaxlightning.strategies.mesh import ModelParallelStrategy as ModelParallelStrategy
 from jaxlightning.strategies.pmap import PmapStrategy as PmapStrategy
 from jaxlightning.strategies.shard_map import ShardMapStrategy as ShardMapStrategy
 
-_BY_NAME = {"pmap": PmapStrategy, "shard_map": ShardMapStrategy, "auto": ShardMapStrategy}
+_BY_NAME = {
+    "pmap": PmapStrategy,
+    "shard_map": ShardMapStrategy,
+    "auto": ShardMapStrategy,
+    "fsdp": FSDPStrategy,
+}
 
 
 def resolve_strategy(strategy: str | Strategy) -> Strategy:
-    """A `Strategy` from a name (``"auto"``, ``"pmap"``, ``"shard_map"``) or instance.
+    """A `Strategy` from a name (``"auto"``, ``"pmap"``, ``"shard_map"``,
+    ``"fsdp"``) or instance.
 
     ``"auto"`` is `ShardMapStrategy`: the faster of the two on the benchmarks.
     """

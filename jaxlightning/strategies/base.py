@@ -45,6 +45,7 @@ class Strategy(abc.ABC):
 
     name: str = "base"
     axis_name: str = AXIS
+    shards_state: bool = False  # whether the train state is split, not replicated
 
     def __init__(self, *, max_in_flight: int = 2, prefetch_depth: int | None = None) -> None:
         if max_in_flight < 1:
@@ -78,6 +79,45 @@ class Strategy(abc.ABC):
         """Devices of this process: a host batch is split over these."""
         me = jax.process_index()
         return sum(d.process_index == me for d in self.devices)
+
+    @property
+    def num_local_shards(self) -> int:
+        """How many ways this process's host batch is split (one shard per
+        device along the data axis)."""
+        return self.num_local_devices
+
+    def plan(self, abstract_state: Any) -> Any:
+        """Decides the layout of the train state from its abstract shapes, before
+        it is built; returns the shardings to build it with (``None``: built
+        on one device, then `place_state`)."""
+        return None
+
+    def place_state(self, tree: Any) -> Any:
+        """Puts the train state (or the variables) where the steps expect it."""
+        return self.replicate(tree)
+
+    def checkpoint_arrays(self, tree: Any) -> Any:
+        """What a checkpoint writes of the placed state: host arrays, one copy."""
+        return jax.device_get(self.unreplicate(tree))
+
+    def compile_train(self, parts: Any, view: Callable[[Any], Any]) -> Callable[..., Any]:
+        """Compiles the automatic train step from its `TrainStepParts`."""
+        del view  # the per-device composition takes the view itself
+        return self.compile(
+            parts.per_device(),
+            sharded_args=(False, False, True, True),
+            sharded_out=(False, False),
+            donate_argnums=(0,),
+        )
+
+    def compile_global(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """Compiles ``state -> state`` (the same on every device)."""
+        return self.compile(fn, sharded_args=(False,), sharded_out=False, donate_argnums=(0,))
+
+    def reduce_grads(self) -> Callable[[Any], Any] | None:
+        """How the train step sums per-device gradients (``None``: a ``psum``
+        together with the logged values)."""
+        return None
 
     @abc.abstractmethod
     def replicate(self, tree: Any) -> Any: ...

@@ -1,0 +1,341 @@
+"""Sharded strategies: the train state split over a device mesh, not replicated.
+
+Both run the per-device parts of a step (loss, gradient, logged values) in a
+``jax.shard_map`` that is manual over the data axis `AXIS` only, so per-device
+keys, padding masks, ``self.log`` and SyncBatchNorm behave exactly as under data
+parallelism; the optimizer update runs outside it, on globally sharded arrays
+under ``jax.jit``, where XLA keeps every elementwise update on its shard and
+computes global reductions (``clip_by_global_norm`` in an optax chain) right.
+
+* `FSDPStrategy`: parameters, gradients and optimizer state sharded over the
+  data axis (ZeRO-3 at rest). A step gathers the parameters for the forward and
+  backward passes and reduce-scatters the gradients, so each device updates
+  only its shard of the parameters and optimizer state.
+* `ModelParallelStrategy`: a 2-D mesh ``(batch, model)``; parameters are placed
+  by the model's partitioning annotations over ``model`` (tensor parallelism:
+  XLA partitions the matmuls and adds the collectives, as in the Megatron
+  layout) and replicated over ``batch``; batches are split over ``batch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxlightning.strategies.shard_map import ShardMapStrategy
+
+MODEL_AXIS = "model"
+_SHARDED_PARTS = ("params", "opt_state", "grad_sum")
+
+
+def _path_str(path: Any) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def largest_divisible_dim(shape: tuple[int, ...], n: int, min_size: int) -> int | None:
+    """The dimension FSDP shards an array of ``shape`` along over ``n`` devices:
+    the largest one divisible by ``n`` (the first of equals); ``None`` (kept
+    whole on every device) for arrays under ``min_size`` elements or with no
+    such dimension."""
+    if int(np.prod(shape, dtype=np.int64)) < min_size:
+        return None
+    dims = [d for d, size in enumerate(shape) if size % n == 0 and size >= n]
+    if not dims:
+        return None
+    return max(dims, key=lambda d: (shape[d], -d))
+
+
+class MeshStrategy(ShardMapStrategy):
+    """Common ground of the sharded strategies: a mesh, a sharding per state leaf.
+
+    Subclasses say how each leaf of the train state is laid out (`leaf_spec`).
+    """
+
+    name = "mesh"
+    shards_state = True
+
+    def __init__(self, *, model: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(model, int) or model < 1:
+            raise ValueError(f"model={model!r}: the model axis needs a positive device count")
+        self.model_size = model
+        self._state_shardings: Any = None
+        self._param_specs: Any = None
+
+    def setup(self, devices: Sequence[jax.Device]) -> None:
+        super().setup(devices)
+        n = len(self.devices)
+        if n % self.model_size:
+            raise ValueError(
+                f"{type(self).__name__}: model={self.model_size} does not divide the "
+                f"{n} devices; the mesh is (data={n}/model, model)"
+            )
+        local = self.num_local_devices
+        if local % self.model_size:
+            raise ValueError(
+                f"model={self.model_size} does not divide the {local} devices of this "
+                "process: a model group must not span processes"
+            )
+        grid = np.asarray(self.devices).reshape(n // self.model_size, self.model_size)
+        self.mesh = Mesh(grid, (self.axis_name, MODEL_AXIS))
+        self._replicated = NamedSharding(self.mesh, P())
+        self._sharded = NamedSharding(self.mesh, P(self.axis_name))
+        self._host_is_device = False  # batches are placed: params are not replicated
+
+    @property
+    def num_local_shards(self) -> int:
+        return self.num_local_devices // self.model_size
+
+    @property
+    def data_size(self) -> int:
+        """Devices along the data axis: how many ways each batch is split."""
+        return len(self.devices) // self.model_size
+
+    # ---------------------------------------------------------------- layout
+    def leaf_spec(self, path: str, leaf: Any) -> P:
+        """The `PartitionSpec` of one state leaf (``path``: slash-joined keys)."""
+        raise NotImplementedError
+
+    def plan(self, abstract_state: Any) -> Any:
+        """Records (and returns) the sharding of every leaf of the train state,
+        from its abstract shapes (partitioning annotations still boxed)."""
+        specs = self._specs(abstract_state)
+        flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(abstract_state))[0]
+        for (path, leaf), spec in zip(flat, jax.tree.leaves(specs, is_leaf=_is_spec)):
+            self._check_fits(_path_str(path), leaf.shape, spec)
+        self._state_shardings = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec
+        )
+        self._param_specs = specs.params
+        return self._state_shardings
+
+    def variables_shardings(self, abstract_variables: Any) -> Any:
+        """Shardings of flax variables alone (evaluation outside `fit`)."""
+        specs = self._specs(abstract_variables, variables=True)
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
+
+    def _specs(self, tree: Any, *, variables: bool = False) -> Any:
+        def spec(path: Any, leaf: Any) -> P:
+            key = _path_str(path)
+            if variables:
+                key = key if key.startswith("params") else "model_state/" + key
+            return self.leaf_spec(key, leaf)
+
+        return jax.tree_util.tree_map_with_path(spec, nn.meta.unbox(tree))
+
+    def _check_fits(self, path: str, shape: tuple[int, ...], spec: P) -> None:
+        sizes = dict(self.mesh.shape)
+        for dim, axes in enumerate(spec):
+            if axes is None:
+                continue
+            for axis in (axes,) if isinstance(axes, str) else axes:
+                if axis not in sizes:
+                    raise ValueError(
+                        f"{path} is partitioned over mesh axis {axis!r}, but the mesh has "
+                        f"axes {sorted(sizes)}; annotate with {sorted(sizes)} or give "
+                        "logical_rules that map your logical names to them"
+                    )
+                if dim >= len(shape) or shape[dim] % sizes[axis]:
+                    raise ValueError(
+                        f"{path} has shape {tuple(shape)}: dimension {dim} cannot be split "
+                        f"{sizes[axis]} ways over mesh axis {axis!r}; change the layer's "
+                        "size or the mesh"
+                    )
+
+    def place_state(self, tree: Any) -> Any:
+        if self._state_shardings is None:
+            raise RuntimeError("plan() must run before the state is placed")
+        return jax.device_put(tree, self._state_shardings)
+
+    def checkpoint_arrays(self, tree: Any) -> Any:
+        # Kept as global arrays: orbax writes each process's shards itself.
+        return tree
+
+    # ---------------------------------------------------------------- compile
+    def compile(
+        self,
+        fn: Callable[..., Any],
+        *,
+        sharded_args: Sequence[bool],
+        sharded_out: Any,
+        donate_argnums: tuple[int, ...] = (),
+    ) -> Callable[..., Any]:
+        # Non-batch arguments enter whole (P() over the data axis: sharded
+        # parameters are gathered at the boundary); the model axis stays
+        # automatic, so tensor-parallel layouts pass through.
+        mapped = self._per_device(fn, tuple(self._spec(s) for s in sharded_args), sharded_out)
+        return jax.jit(mapped, donate_argnums=donate_argnums)
+
+    def _spec(self, sharded: bool) -> P:
+        return P(self.axis_name) if sharded else P()
+
+    def _per_device(self, fn: Callable[..., Any], in_specs: Any, out: Any) -> Callable[..., Any]:
+        out_specs = jax.tree.map(self._spec, out) if _all_bools(out) else out
+        return jax.shard_map(
+            fn,
+            mesh=self.mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names={self.axis_name},
+            check_vma=False,
+        )
+
+    def compile_train(self, parts: Any, view: Callable[[Any], Any]) -> Callable[..., Any]:
+        """The train step: per-device gradients, then one sharded update."""
+        gradients = self._per_device(
+            parts.gradients,
+            (P(), P(self.axis_name), P(self.axis_name)),
+            (self._grad_specs(), P(), P()),
+        )
+
+        def jl_sharded_train_step(state, acc, batch, mask):
+            return parts.apply(state, acc, *gradients(view(state), batch, mask))
+
+        return jax.jit(
+            jl_sharded_train_step,
+            out_shardings=(self._state_shardings, self._replicated),
+            donate_argnums=(0,),
+        )
+
+    def compile_global(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        return jax.jit(fn, out_shardings=self._state_shardings, donate_argnums=(0,))
+
+    def _grad_specs(self) -> Any:
+        return P()
+
+    def precompile(self, compiled: Callable[..., Any], *example: Any) -> Callable[..., Any]:
+        return compiled
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mesh={dict(self.mesh.shape)})"
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def _all_bools(tree: Any) -> bool:
+    return all(isinstance(x, bool) for x in jax.tree.leaves(tree))
+
+
+class FSDPStrategy(MeshStrategy):
+    """Fully sharded data parallel: each device keeps 1/N of the parameters,
+    gradients and optimizer state, N the device count.
+
+    Args:
+        min_size: arrays with fewer elements stay whole on every device (biases,
+            norms: gathering them costs more than they save).
+        shard_dim: overrides the automatic choice: ``(path, shape) -> dim or
+            None`` for each array of the parameters (``path`` like
+            ``"params/Dense_0/kernel"``), optimizer state (paths like
+            ``"opt_state/0/mu/Dense_0/kernel"``) and accumulated gradients;
+            give an optimizer-state array its parameter's dimension.
+        max_in_flight, prefetch_depth: as for every strategy.
+
+    By default an array is split along its largest dimension that the device
+    count divides. Parameters are gathered once per step for the forward and
+    backward passes (peak memory holds them whole once, with the gradient
+    before it is reduce-scattered); between steps, and for the optimizer
+    update, every device holds only its shard.
+    """
+
+    name = "fsdp"
+
+    def __init__(
+        self,
+        *,
+        min_size: int = 1024,
+        shard_dim: Callable[[str, tuple[int, ...]], int | None] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model=1, **kwargs)
+        self.min_size = min_size
+        self.shard_dim = shard_dim
+
+    def leaf_spec(self, path: str, leaf: Any) -> P:
+        if not path.startswith(_SHARDED_PARTS):
+            return P()
+        shape = tuple(np.shape(leaf))
+        if self.shard_dim is not None:
+            dim = self.shard_dim(path, shape)
+        else:
+            dim = largest_divisible_dim(shape, self.data_size, self.min_size)
+        if dim is None:
+            return P()
+        return P(*([None] * dim), self.axis_name)
+
+    def reduce_grads(self) -> Callable[[Any], Any]:
+        axis = self.axis_name
+        specs = self._param_specs
+
+        def reduce(grads: Any) -> Any:
+            def one(g: jax.Array, spec: P) -> jax.Array:
+                if axis not in spec:
+                    return jax.lax.psum(g, axis)
+                dim = list(spec).index(axis)
+                return jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+
+            return jax.tree.map(one, grads, specs, is_leaf=_is_spec)
+
+        return reduce
+
+    def _grad_specs(self) -> Any:
+        return self._param_specs
+
+
+class ModelParallelStrategy(MeshStrategy):
+    """Tensor parallel over a ``model`` mesh axis, data parallel over ``batch``.
+
+    Example:
+        ``jl.ModelParallelStrategy(data=4, model=2)`` on 8 devices.
+
+    Parameters are placed by the model's own annotations: linen
+    ``nn.with_partitioning(init, (None, "model"))``, or
+    ``nn.with_logical_partitioning(init, ("embed", "mlp"))`` with
+    ``logical_rules`` such as ``[("mlp", "model"), ("embed", None)]``. Optimizer
+    state follows its parameter; unannotated arrays are replicated.
+
+    Args:
+        data: devices along the data axis (default: the device count / model).
+        model: devices along the model axis; a model group must sit within one
+            process.
+        logical_rules: logical axis name -> mesh axis (or ``None``), for
+            logically partitioned models.
+    """
+
+    name = "model_parallel"
+
+    def __init__(
+        self,
+        *,
+        data: int | None = None,
+        model: int = 2,
+        logical_rules: Sequence[tuple[str, str | None]] = (),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model=model, **kwargs)
+        self.requested_data = data
+        self.logical_rules = tuple(logical_rules)
+
+    def setup(self, devices: Sequence[jax.Device]) -> None:
+        if self.requested_data is not None:
+            wanted = self.requested_data * self.model_size
+            if wanted != len(devices):
+                raise ValueError(
+                    f"ModelParallelStrategy(data={self.requested_data}, "
+                    f"model={self.model_size}) needs {wanted} devices; the Trainer has "
+                    f"{len(devices)}. Set Trainer(devices={wanted}) or change data/model"
+                )
+        super().setup(devices)
+
+    def _specs(self, tree: Any, *, variables: bool = False) -> Any:
+        specs = nn.get_partition_spec(tree)
+        if self.logical_rules:
+            specs = nn.logical_to_mesh(specs, self.logical_rules)
+        return specs
