@@ -55,8 +55,9 @@ class Block(nn.Module):
         # No key bias: softmax ignores it, so its gradient is zero up to
         # rounding, which Adam would turn into steps of full size.
         q, k, v = (
-            nn.Dense(d, use_bias=name != "key", kernel_init=_split(None, "model"), name=name)(h)
-            .reshape(b, t, self.heads, hd)
+            nn.Dense(d, use_bias=name != "key", kernel_init=_split(None, "model"), name=name)(
+                h
+            ).reshape(b, t, self.heads, hd)
             for name in ("query", "key", "value")
         )
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd).astype(np.float32)

@@ -107,7 +107,7 @@ class MeshStrategy(ShardMapStrategy):
         from its abstract shapes (partitioning annotations still boxed)."""
         specs = self._specs(abstract_state)
         flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(abstract_state))[0]
-        for (path, leaf), spec in zip(flat, jax.tree.leaves(specs, is_leaf=_is_spec)):
+        for (path, leaf), spec in zip(flat, jax.tree.leaves(specs, is_leaf=_is_spec), strict=True):
             self._check_fits(_path_str(path), leaf.shape, spec)
         self._state_shardings = jax.tree.map(
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec
