@@ -62,7 +62,7 @@ def checksums(state_dict: Any) -> dict[str, int]:
     return {
         _key(path): zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))
         for path, leaf in flat
-        if not (isinstance(leaf, jax.Array) and not leaf.is_fully_addressable)
+        if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable or leaf.is_fully_replicated
     }
 
 
@@ -364,7 +364,7 @@ def _verify(path: str, state: Any) -> None:
     if recorded is None:  # written before checksums were recorded
         return
     for key, crc in checksums(state).items():
-        if recorded.get(key) != crc:
+        if key in recorded and recorded[key] != crc:  # not recorded: split across processes
             raise CheckpointError(
                 f"checkpoint {path} is corrupt: array '{key}' does not match the checksum "
                 "recorded when it was saved (its bytes changed on disk). Resume from an "

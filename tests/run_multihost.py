@@ -1,7 +1,7 @@
 """One training run for the multi-process tests; run it plainly or under the launcher.
 
     python -m jaxlightning.launch --nprocs 2 --devices-per-proc 4 \\
-        tests/run_multihost.py --root DIR --out result.npz [--sleep-per-step S]
+        tests/run_multihost.py --root DIR --out result.npz [--sleep-per-step S] [--strategy fsdp]
 
 Global batch 64 (each process's DataLoader holds its share: 64 / processes),
 one epoch over 200 digits, validation on 45 (not a multiple of 8 devices).
@@ -22,10 +22,12 @@ def main(argv=None) -> None:
     p.add_argument("--out")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--sleep-per-step", type=float, default=0.0)
+    p.add_argument("--strategy", default="auto")
     args = p.parse_args(argv)
 
     import jax
     import numpy as np
+    from jax.experimental import multihost_utils
 
     import jaxlightning as jl
     from tests.helpers import LitMLP, digits, init_mlp, loader
@@ -42,6 +44,7 @@ def main(argv=None) -> None:
         log_every_n_steps=2,
         enable_progress_bar=False,
         callbacks=[Slow()],
+        strategy=args.strategy,
     )
     per_process = 64 // jax.process_count()
     x, y = digits(200)
@@ -50,8 +53,9 @@ def main(argv=None) -> None:
     trainer.fit(model, loader(x, y, per_process), loader(vx, vy, 16))
     (val,) = trainer.validate(model, loader(vx, vy, 16))
     pred = trainer.predict(model, loader(vx, vy, 16))
+    # Under FSDP each process holds only its shards: gathered by every process.
+    params = multihost_utils.process_allgather(trainer.state.params, tiled=True)
     if args.out and jax.process_index() == 0:
-        params = jax.device_get(trainer.state.params)
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
         np.savez(
             args.out,

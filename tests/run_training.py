@@ -9,6 +9,7 @@ and writes the final train state to ``--out``.
 """
 
 import argparse
+import glob
 import os
 import sys
 
@@ -53,6 +54,12 @@ def main() -> None:
             if step == args.kill_during_save_at:
                 path = trainer.checkpoint_callback.save(trainer, module)
                 print(f"SAVING {path}", flush=True)
+                # Killed once orbax has started writing (its temporary folder
+                # exists): orbax may create it on its own thread, a little later.
+                deadline = time.monotonic() + 10
+                while not glob.glob(f"{path}.orbax-checkpoint-tmp*"):
+                    if time.monotonic() > deadline:
+                        break
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def fill_disk(folder, step):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxlightning as jl
-from jaxlightning.checkpoint import complete_checkpoints
+from jaxlightning.checkpoint import complete_checkpoints, restore_variables
 from tests import run_multihost
 from tests.helpers import (
     LitMLP,
@@ -58,6 +58,16 @@ def two_process_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def two_process_fsdp_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two_fsdp")
+    result = launch("--root", root, "--out", root / "result.npz", "--strategy", "fsdp")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "[rank 1] DONE rank=1 step=4" in result.stdout
+    with np.load(root / "result.npz") as f:
+        return root, dict(f)
+
+
+@pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("one")
     run_multihost.main(["--root", str(root), "--out", str(root / "result.npz")])
@@ -74,6 +84,26 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(two_process_ru
     assert len(params) == 6
     for k in params:
         np.testing.assert_allclose(two[k], one[k], atol=1e-6, err_msg=k)
+
+
+def test_fsdp_over_two_processes_of_four_devices_equals_data_parallel_on_one(
+    two_process_fsdp_run, one_process_run
+):
+    root, fsdp = two_process_fsdp_run
+    _, one = one_process_run
+    assert (int(fsdp["processes"]), int(fsdp["devices"])) == (2, 8)
+    for k in (k for k in one if k.startswith("[")):
+        np.testing.assert_allclose(fsdp[k], one[k], atol=1e-6, err_msg=k)
+    assert fsdp["val_acc"] == one["val_acc"]
+    np.testing.assert_allclose(fsdp["val_loss"], one["val_loss"], atol=1e-6)
+    np.testing.assert_allclose(fsdp["logits"], one["logits"], atol=1e-5)
+    # Each process wrote its own shards of one checkpoint, complete and restorable.
+    ckpts = complete_checkpoints(root / "lightning_logs/version_0/checkpoints")
+    assert [Path(p).name for p in ckpts] == ["4"]
+    restored = restore_variables(ckpts[0])
+    np.testing.assert_allclose(
+        restored["params"]["Dense_0"]["kernel"], one["['Dense_0']['kernel']"], atol=1e-6
+    )
 
 
 def test_validation_is_exact_across_processes(two_process_run, one_process_run):

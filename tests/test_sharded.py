@@ -1,0 +1,230 @@
+"""Sharded strategies on 8 simulated devices: FSDP and tensor parallel against
+data parallel, memory per device from the arrays' shards, and checkpoints that
+move between strategies."""
+
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import jaxlightning as jl
+from jaxlightning.strategies.mesh import largest_divisible_dim
+from tests.helpers import LitMLP, digits, loader, max_abs_diff, quiet_trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import gpt  # noqa: E402
+
+X, Y = digits(300)  # batches of 48: six full, a last one of 12 rows
+VX, VY = digits(45, offset=1000)
+
+
+class ClippedMLP(LitMLP):
+    """Global-norm clipping inside the optax chain: a reduction over every
+    parameter, which must see all shards."""
+
+    def configure_optimizers(self):
+        return optax.chain(optax.clip_by_global_norm(0.05), optax.adam(self.hparams.lr))
+
+
+def fit(strategy, module, steps=20, **kw):
+    trainer = quiet_trainer(max_steps=steps, strategy=strategy, **kw)
+    trainer.fit(module, loader(X, Y, 48))
+    return trainer
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+@pytest.fixture(scope="module")
+def dp_and_fsdp():
+    """The same MLP (with dropout and clipping in the optimizer) fitted 20 steps
+    data parallel and fully sharded, both on 8 devices."""
+    runs = {}
+    for strategy in ("auto", "fsdp"):
+        module = ClippedMLP(hidden=256, lr=1e-2, dropout=0.1)
+        runs[strategy] = (fit(strategy, module), module)
+    return runs
+
+
+def test_fsdp_equals_data_parallel_after_20_steps_with_an_uneven_last_batch(dp_and_fsdp):
+    (dp, dp_module), (fsdp, fsdp_module) = dp_and_fsdp["auto"], dp_and_fsdp["fsdp"]
+    assert dp.global_step == fsdp.global_step == 20
+    assert max_abs_diff(host(dp.state.params), host(fsdp.state.params)) < 1e-5
+    assert max_abs_diff(host(dp.state.opt_state), host(fsdp.state.opt_state)) < 1e-5
+    val = loader(VX, VY, 16)
+    (a,), (b,) = dp.validate(dp_module, val), fsdp.validate(fsdp_module, val)
+    assert a["val/acc"] == b["val/acc"]
+    assert a["val/loss"] == pytest.approx(b["val/loss"], abs=1e-5)
+    pa, pb = dp.predict(dp_module, val), fsdp.predict(fsdp_module, val)
+    assert pb["logits"].shape == (45, 10)
+    np.testing.assert_allclose(pa["logits"], pb["logits"], atol=1e-4)
+
+
+def _bytes_per_device(tree):
+    per = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    return per
+
+
+def test_fsdp_keeps_an_eighth_of_parameter_and_optimizer_bytes_per_device(dp_and_fsdp):
+    fsdp = dp_and_fsdp["fsdp"][0]
+    state = fsdp.state
+    total = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
+    per = _bytes_per_device((state.params, state.opt_state))
+    assert len(per) == 8
+    # Arrays of 1024 elements or more (the kernels, 64x256, 256x256 and 256x10,
+    # and their Adam moments) are split 8 ways; the rest (biases, the step
+    # count) stay whole on each device.
+    expected = sum(
+        x.nbytes // 8 if x.size >= 1024 else x.nbytes
+        for x in jax.tree.leaves((state.params, state.opt_state))
+    )
+    assert set(per.values()) == {expected}
+    assert expected / total < 1 / 8 + 0.006
+    kernel = state.params["Dense_1"]["kernel"]
+    assert {s.data.shape for s in kernel.addressable_shards} == {(32, 256)}
+    mu = state.opt_state[1][0].mu["Dense_1"]["kernel"]
+    assert mu.sharding == kernel.sharding
+    dp = dp_and_fsdp["auto"][0]  # data parallel: everything whole on every device
+    assert max(_bytes_per_device((dp.state.params, dp.state.opt_state)).values()) == total
+
+
+def test_fsdp_shards_the_largest_divisible_dimension_of_arrays_big_enough():
+    assert largest_divisible_dim((64, 256), 8, 1024) == 1
+    assert largest_divisible_dim((256, 10), 8, 1024) == 0
+    assert largest_divisible_dim((30, 10), 8, 1) is None  # nothing divisible
+    assert largest_divisible_dim((256,), 8, 1024) is None  # too small to be worth it
+    assert largest_divisible_dim((512, 512), 8, 1024) == 0  # equals: the first
+
+
+def test_fsdp_shard_dim_override_and_accumulation_equal_data_parallel():
+    def rows_only(path, shape):
+        return 0 if len(shape) == 2 and shape[0] % 8 == 0 else None
+
+    strategy = jl.FSDPStrategy(shard_dim=rows_only)
+    sharded = fit(strategy, LitMLP(hidden=64, lr=1e-2), steps=6, accumulate_grad_batches=2)
+    plain = fit("auto", LitMLP(hidden=64, lr=1e-2), steps=6, accumulate_grad_batches=2)
+    kernel = sharded.state.params["Dense_0"]["kernel"]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec("batch")
+    assert sharded.state.grad_sum["Dense_0"]["kernel"].sharding == kernel.sharding
+    assert max_abs_diff(host(sharded.state.params), host(plain.state.params)) < 1e-5
+
+
+def test_manual_optimization_under_fsdp_is_refused_clearly():
+    class Manual(LitMLP):
+        def training_step(self, optimizers, batch, rngs):
+            optimizers.step(lambda v: 0.0)
+
+    trainer = quiet_trainer(max_steps=1, strategy="fsdp")
+    with pytest.raises(ValueError, match="manual optimization.*'fsdp'"):
+        trainer.fit(Manual(), loader(X, Y, 48))
+
+
+# ---------------------------------------------------------------- tensor parallel
+def _tokens_loader():
+    return DataLoader(torch.from_numpy(gpt.markov_tokens(200, 17)), 48)
+
+
+def _gpt(dropout):
+    return gpt.LitGPT(d_model=32, heads=4, layers=2, context=16, dropout=dropout)
+
+
+@pytest.mark.parametrize(
+    ("devices", "dropout"),
+    [(8, 0.0), (4, 0.1)],  # with dropout: the same 4 data shards, hence the same keys
+)
+def test_tensor_parallel_gpt_equals_data_parallel(devices, dropout):
+    tp = quiet_trainer(max_steps=8, strategy=jl.ModelParallelStrategy(data=4, model=2))
+    tp.fit(_gpt(dropout), _tokens_loader())
+    dp = quiet_trainer(max_steps=8, devices=devices)
+    dp.fit(_gpt(dropout), _tokens_loader())
+    assert max_abs_diff(host(tp.state.params), host(dp.state.params)) < 1e-5
+    up = tp.state.params["Block_0"]["Dense_0"]["kernel"]  # (32, 128): columns split
+    assert up.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert {s.data.shape for s in up.addressable_shards} == {(32, 64)}
+    down = tp.state.opt_state[0].mu["Block_0"]["Dense_1"]["kernel"]  # rows split
+    assert {s.data.shape for s in down.addressable_shards} == {(64, 32)}
+
+
+def test_logical_partitioning_rules_and_clear_errors():
+    rules = [("in", None), ("mlp", "model")]
+    strategy = jl.ModelParallelStrategy(data=4, model=2, logical_rules=rules)
+
+    class Net(nn.Module):
+        width: int = 64
+
+        @nn.compact
+        def __call__(self, x, train=False):
+            init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("in", "mlp"))
+            hidden = nn.relu(nn.Dense(self.width, kernel_init=init, name="hidden")(x))
+            return nn.Dense(10, name="out")(hidden)
+
+    class Lit(LitMLP):
+        def __init__(self, width):
+            super().__init__()
+            self.net = Net(width)
+
+        def setup(self, rng, batch):
+            return self.net.init(rng, batch[0])
+
+    trainer = quiet_trainer(max_steps=3, strategy=strategy)
+    trainer.fit(Lit(64), loader(X, Y, 48))
+    kernel = trainer.state.params["hidden"]["kernel"]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    plain = quiet_trainer(max_steps=3, devices=8)
+    plain.fit(Lit(64), loader(X, Y, 48))
+    assert max_abs_diff(host(trainer.state.params), host(plain.state.params)) < 1e-5
+
+    odd = quiet_trainer(
+        max_steps=1, strategy=jl.ModelParallelStrategy(model=2, logical_rules=rules)
+    )
+    with pytest.raises(ValueError, match=r"params/hidden/kernel has shape \(64, 33\).*2 ways"):
+        odd.fit(Lit(33), loader(X, Y, 48))
+    unmapped = quiet_trainer(max_steps=1, strategy=jl.ModelParallelStrategy(model=2))
+    with pytest.raises(
+        ValueError, match="hidden/kernel is partitioned over mesh axis 'in'.*logical_rules"
+    ):
+        unmapped.fit(Lit(64), loader(X, Y, 48))
+    with pytest.raises(ValueError, match=r"data=3, model=2\) needs 6 devices; the Trainer has 8"):
+        quiet_trainer(strategy=jl.ModelParallelStrategy(data=3, model=2))
+
+
+# ------------------------------------------------------------------- checkpoints
+def _fit_ckpt(strategy, devices, root, steps, ckpt_path=None):
+    trainer = jl.Trainer(
+        max_steps=steps,
+        strategy=strategy,
+        devices=devices,
+        default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[jl.ModelCheckpoint(dirpath=str(root / "ckpt"), every_n_train_steps=5)],
+    )
+    trainer.fit(ClippedMLP(hidden=64, lr=1e-2), loader(X, Y, 48), ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("first", "then"), [(("fsdp", "auto"), ("auto", 1)), (("auto", 1), ("fsdp", "auto"))]
+)
+def test_checkpoints_move_between_fsdp_on_8_and_data_parallel_on_1(tmp_path, first, then):
+    _fit_ckpt(*first, tmp_path / "a", steps=10)
+    ckpt = tmp_path / "a" / "ckpt" / "10"
+    resumed = _fit_ckpt(*then, tmp_path / "b", steps=20, ckpt_path=ckpt)
+    straight = _fit_ckpt(*then, tmp_path / "c", steps=20)
+    assert resumed.global_step == 20
+    assert max_abs_diff(host(resumed.state.params), host(straight.state.params)) < 1e-5
+    assert max_abs_diff(host(resumed.state.opt_state), host(straight.state.opt_state)) < 1e-5
+    if then[0] == "fsdp":  # restored straight into the sharded layout
+        kernel = resumed.state.params["Dense_1"]["kernel"]
+        assert {s.data.shape for s in kernel.addressable_shards} == {(8, 64)}
