@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 COLLECTION = "nnx"
 
@@ -23,6 +25,10 @@ def _set(tree: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
     for key in path[:-1]:
         tree = tree[key]
     tree[path[-1]] = value
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
 
 
 def is_nnx(value: Any) -> bool:
@@ -42,8 +48,16 @@ class NnxGraph:
 
     def variables(self) -> dict[str, Any]:
         """The model's arrays as flax-style variables (RNG state left out: it is
-        reseeded in every step)."""
-        out = {"params": nnx.to_pure_dict(self._params)}
+        reseeded in every step). Parameters made with ``nnx.with_partitioning``
+        come boxed as linen's ``nn.Partitioned``, so that a sharding strategy
+        reads their layout as it reads a linen model's."""
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(self._params))
+
+        def boxed(value: Any, spec: Any) -> Any:
+            return nn.Partitioned(value, names=tuple(spec)) if tuple(spec) else value
+
+        params = nnx.to_pure_dict(self._params)
+        out = {"params": jax.tree.map(boxed, params, specs, is_leaf=_is_spec)}
         rest = nnx.to_pure_dict(self._rest)
         if jax.tree.leaves(rest):
             out[COLLECTION] = rest
