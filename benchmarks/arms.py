@@ -216,6 +216,28 @@ def strategies(size: dict[str, int], rounds: int) -> dict[str, Any]:
     return out
 
 
+def sharded(size: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Arm 10: FSDP vs data parallel (shard_map), on all local devices: what
+    sharding the state costs per step where it would fit replicated."""
+    batch = 128
+    x, y = common.data(size["steps"] * batch, 64)
+    dl = common.loader(x, y, batch)
+    res = common.interleave(
+        rounds,
+        {
+            s: (lambda s=s: common.trainer_epochs(dl, size["epochs"], strategy=s))
+            for s in ("shard_map", "fsdp")
+        },
+    )
+    dp = [common.steady(t) for t, _ in res["shard_map"]]
+    fsdp = [common.steady(t) for t, _ in res["fsdp"]]
+    return {
+        "devices": jax.local_device_count(),
+        "fsdp_time_ratio": _median([f / d for f, d in zip(fsdp, dp, strict=True)]),
+        "params_max_diff": common.max_diff(res["shard_map"][0][1], res["fsdp"][0][1]),
+    }
+
+
 def slow_loader(size: dict[str, int], rounds: int) -> dict[str, Any]:
     """Arm 7: a DataLoader that takes ~1 ms per batch; prefetching should hide it."""
     from torch.utils.data import default_collate

@@ -35,7 +35,7 @@ GROUPS: dict[str, tuple[int, list[str]]] = {
             "step_extras",
         ],
     ),
-    "multi": (8, ["vs_seeds_pmap", "strategies"]),
+    "multi": (8, ["vs_seeds_pmap", "strategies", "sharded"]),
     "startup": (1, ["startup"]),
 }
 

@@ -1,6 +1,8 @@
 """Train an MLP on scikit-learn's digits, data-parallel over every local device.
 
-    python examples/digits.py [--epochs 30] [--batch-size 128]
+    python examples/digits.py [fit] [--trainer.max_epochs 30] [--data.batch_size 128]
+        [--model.lr 1e-3] [--config cfg.yaml] [--print_config]
+    python examples/digits.py validate --ckpt_path last
 
 On a machine without an accelerator, 8 CPU devices are simulated so the run is
 data-parallel all the same. Logs go to ./lightning_logs/version_N.
@@ -8,7 +10,6 @@ data-parallel all the same. Logs go to ./lightning_logs/version_N.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 # Must happen before jax is imported; it only affects the CPU platform, so it is
@@ -83,39 +84,62 @@ def digits_loaders(batch_size: int, seed: int = 0) -> tuple[DataLoader, DataLoad
     )
 
 
-def main(argv: list[str] | None = None) -> float:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=128, help="per process")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--root-dir", default=".")
-    parser.add_argument("--no-progress-bar", action="store_true")
-    args = parser.parse_args(argv)
+class DigitsData(jl.DataModule):
+    """The digits loaders: ``batch_size`` per process, a seeded 80/20 split."""
 
-    # The Trainer comes first: in a multi-process job it must connect the
-    # processes before anything touches the devices.
-    trainer = jl.Trainer(
-        max_epochs=args.epochs,
-        default_root_dir=args.root_dir,
-        enable_progress_bar=not args.no_progress_bar,
-        log_every_n_steps=10,
-    )
-    say = print if jax.process_index() == 0 else (lambda *a: None)
-    devices = jax.devices()
-    if devices[0].platform == "cpu":
-        say(f"No accelerator found: simulating {len(jax.local_devices())} CPU devices.")
-    say(
-        f"Training data-parallel on {len(devices)} {devices[0].platform} device(s)"
-        + (f" in {jax.process_count()} processes." if jax.process_count() > 1 else ".")
-    )
+    def __init__(self, batch_size: int = 128, seed: int = 0):
+        self.batch_size, self.seed = batch_size, seed
 
-    train_loader, val_loader = digits_loaders(args.batch_size)
-    model = LitDigits(lr=args.lr)
-    trainer.fit(model, train_loader, val_loader)
-    (result,) = trainer.validate(model, val_loader)
-    say(f"Final validation accuracy: {result['val/acc']:.4f} (loss {result['val/loss']:.4f})")
-    say(f"TensorBoard: tensorboard --logdir {os.path.dirname(trainer.log_dir)}")
-    return result["val/acc"]
+    def setup(self, stage: str) -> None:
+        self.train, self.val = digits_loaders(self.batch_size, self.seed)
+
+    def train_dataloader(self):
+        return self.train
+
+    def val_dataloader(self):
+        return self.val
+
+    test_dataloader = predict_dataloader = val_dataloader
+
+
+class DigitsCLI(jl.cli.LightningCLI):
+    """Says where it trains before ``fit``, and the final accuracy after it."""
+
+    def before_fit(self) -> None:
+        devices = jax.devices()
+        if devices[0].platform == "cpu":
+            self.say(f"No accelerator found: simulating {len(jax.local_devices())} CPU devices.")
+        self.say(
+            f"Training data-parallel on {len(devices)} {devices[0].platform} device(s)"
+            + (f" in {jax.process_count()} processes." if jax.process_count() > 1 else ".")
+        )
+
+    def after_fit(self) -> None:
+        (result,) = self.trainer.validate(self.model, datamodule=self.datamodule)
+        self.accuracy = result["val/acc"]
+        self.say(
+            f"Final validation accuracy: {result['val/acc']:.4f} (loss {result['val/loss']:.4f})"
+        )
+        self.say(f"TensorBoard: tensorboard --logdir {os.path.dirname(self.trainer.log_dir)}")
+
+    def say(self, text: str) -> None:
+        if jax.process_index() == 0:
+            print(text, flush=True)
+
+
+def main(argv: list[str] | None = None) -> float | None:
+    """``fit`` (the default), ``validate``, ``test`` or ``predict``, with
+    ``--trainer.*``, ``--model.*``, ``--data.*`` or ``--config cfg.yaml``;
+    returns the final validation accuracy of a ``fit``."""
+    cli = DigitsCLI(
+        LitDigits,
+        DigitsData,
+        trainer_defaults={"max_epochs": 30, "log_every_n_steps": 10},
+        args=argv,
+        default_subcommand="fit",
+        description=__doc__.splitlines()[0],
+    )
+    return getattr(cli, "accuracy", None)
 
 
 if __name__ == "__main__":

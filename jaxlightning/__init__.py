@@ -1,6 +1,7 @@
 """jaxlightning: a Lightning-style trainer for JAX, data-parallel over every device."""
 
 from jaxlightning import callbacks as callbacks
+from jaxlightning import cli as cli
 from jaxlightning import loggers as loggers
 from jaxlightning import strategies as strategies
 from jaxlightning.callbacks import Callback as Callback

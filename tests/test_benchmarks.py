@@ -26,6 +26,8 @@ def test_benchmark_suite_runs_on_tiny_settings(tmp_path):
     assert multi["vs_seeds_pmap"]["devices"] == 8
     assert multi["vs_seeds_pmap"]["params_max_diff"] < 1e-5
     assert multi["strategies"]["devices_8"]["params_max_diff"] < 1e-6
+    assert multi["sharded"]["params_max_diff"] < 1e-6  # FSDP: the same numbers
+    assert multi["sharded"]["fsdp_time_ratio"] > 0
     assert single["logging_cost"]["params_max_diff_every_1"] == 0
     assert single["step_extras"]["params_max_diff"] < 1e-4  # the same computation
     for ratio in (single["vs_bare_jit"]["batch_128"]["ratio"], multi["vs_seeds_pmap"]["ratio"]):

@@ -15,7 +15,9 @@ def test_digits_example_reaches_95_percent_on_all_devices(tmp_path, capsys):
     digits = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = digits  # flax modules are dataclasses: they need it
     spec.loader.exec_module(digits)
-    acc = digits.main(["--root-dir", str(tmp_path), "--no-progress-bar"])
+    acc = digits.main(
+        ["--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"]
+    )
     out = capsys.readouterr().out
     assert acc >= 0.95
     assert f"Training data-parallel on {jax.local_device_count()} cpu device(s)" in out

@@ -236,7 +236,8 @@ class FSDPStrategy(MeshStrategy):
             ``"params/Dense_0/kernel"``), optimizer state (paths like
             ``"opt_state/0/mu/Dense_0/kernel"``) and accumulated gradients;
             give an optimizer-state array its parameter's dimension.
-        max_in_flight, prefetch_depth: as for every strategy.
+        **kwargs: ``max_in_flight`` and ``prefetch_depth``, as for every
+            strategy.
 
     By default an array is split along its largest dimension that the device
     count divides. Parameters are gathered once per step for the forward and
