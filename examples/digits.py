@@ -120,7 +120,6 @@ class DigitsCLI(jl.cli.LightningCLI):
         self.say(
             f"Final validation accuracy: {result['val/acc']:.4f} (loss {result['val/loss']:.4f})"
         )
-        self.say(f"TensorBoard: tensorboard --logdir {os.path.dirname(self.trainer.log_dir)}")
 
     def say(self, text: str) -> None:
         if jax.process_index() == 0:

@@ -1,20 +1,23 @@
 """A small GPT-style language model, annotated for tensor parallelism.
 
-    python examples/gpt.py [--strategy auto|fsdp|tp] [--max-steps 300]
+    python examples/gpt.py [fit] [--trainer.max_steps 300] [--trainer.strategy fsdp]
+        [--trainer.precision bf16-mixed] [--trainer.accumulate_grad_batches 2]
+    python examples/gpt.py --trainer.strategy jaxlightning.ModelParallelStrategy \
+        --trainer.strategy.model 2          # tensor parallel: data 4 x model 2
 
 The data is synthetic and learnable: token sequences drawn from a fixed random
 Markov chain whose next token has entropy ``ENTROPY`` nats, so a model that has
 learnt the chain reaches a validation loss near that value (a model that has
 learnt nothing: log(vocab) = 4.16). The layers carry Megatron-style
 partitioning annotations (attention heads and the MLP's hidden units split over
-a ``"model"`` mesh axis): with ``--strategy tp`` they are placed by
-`jl.ModelParallelStrategy`; with the data-parallel strategies the annotations
-only say where arrays would go and change nothing.
+a ``"model"`` mesh axis): under `jl.ModelParallelStrategy` they place the
+arrays; under data parallel and FSDP they change nothing. Trained with AdamW, a
+warmup + cosine schedule sized by ``trainer.estimated_stepping_batches``, and
+gradient clipping.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -149,52 +152,46 @@ def markov_tokens(n: int, length: int, seed: int = 0) -> np.ndarray:
     return tokens
 
 
-def loaders(batch_size: int, context: int = 32, seed: int = 0) -> tuple[DataLoader, DataLoader]:
-    train = torch.from_numpy(markov_tokens(2048, context + 1, seed))
-    val = torch.from_numpy(markov_tokens(256, context + 1, seed + 1))
-    generator = torch.Generator().manual_seed(seed)
-    return (
-        DataLoader(train, batch_size, shuffle=True, generator=generator),
-        DataLoader(val, batch_size),
+class MarkovTokens(jl.DataModule):
+    """Sequences of ``context + 1`` tokens: 2048 to train on, 256 to validate."""
+
+    def __init__(self, batch_size: int = 64, context: int = 32, seed: int = 0):
+        self.batch_size, self.context, self.seed = batch_size, context, seed
+
+    def train_dataloader(self):
+        train = torch.from_numpy(markov_tokens(2048, self.context + 1, self.seed))
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(train, self.batch_size, shuffle=True, generator=generator)
+
+    def val_dataloader(self):
+        val = torch.from_numpy(markov_tokens(256, self.context + 1, self.seed + 1))
+        return DataLoader(val, self.batch_size)
+
+
+class GptCLI(jl.cli.LightningCLI):
+    def before_fit(self) -> None:
+        print(f"Training with {self.trainer.strategy!r} on {jax.device_count()} device(s)")
+
+    def after_fit(self) -> None:
+        (result,) = self.trainer.validate(self.model, datamodule=self.datamodule)
+        self.loss = result["val/loss"]
+        print(f"Final validation loss: {self.loss:.4f} (the chain's entropy: {ENTROPY:.4f})")
+
+
+def main(argv: list[str] | None = None) -> GptCLI:
+    return GptCLI(
+        LitGPT,
+        MarkovTokens,
+        trainer_defaults={
+            "max_steps": 300,
+            "gradient_clip_val": 1.0,
+            "val_check_interval": 100,
+            "check_val_every_n_epoch": None,
+            "log_every_n_steps": 10,
+        },
+        args=argv,
+        default_subcommand="fit",
     )
-
-
-STRATEGIES = {
-    "auto": lambda: "auto",
-    "fsdp": lambda: "fsdp",
-    "tp": lambda: jl.ModelParallelStrategy(model=2),
-}
-
-
-def main(argv: list[str] | None = None) -> float:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--strategy", choices=sorted(STRATEGIES), default="auto")
-    p.add_argument("--max-steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--precision", default="32-true")
-    p.add_argument("--root-dir", default=".")
-    p.add_argument("--no-progress-bar", action="store_true")
-    args = p.parse_args(argv)
-
-    train, val = loaders(args.batch_size)
-    model = LitGPT()
-    trainer = jl.Trainer(
-        max_steps=args.max_steps,
-        strategy=STRATEGIES[args.strategy](),
-        precision=args.precision,
-        gradient_clip_val=1.0,
-        val_check_interval=100,
-        check_val_every_n_epoch=None,
-        default_root_dir=args.root_dir,
-        enable_progress_bar=not args.no_progress_bar,
-    )
-    print(f"Training with {trainer.strategy!r} on {jax.device_count()} device(s)")
-    print(f"TensorBoard: tensorboard --logdir {os.path.dirname(trainer.log_dir)}")
-    trainer.fit(model, train, val)
-    (result,) = trainer.validate(model, val)
-    loss = result["val/loss"]
-    print(f"Final validation loss: {loss:.4f} (the chain's entropy: {ENTROPY:.4f})")
-    return loss
 
 
 if __name__ == "__main__":

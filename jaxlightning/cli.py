@@ -10,7 +10,8 @@
 Arguments come from the type hints and docstrings of ``Trainer.__init__``, the
 module's ``__init__`` and the data module's ``__init__`` (``--trainer.*``,
 ``--model.*``, ``--data.*``); callbacks, loggers and strategies are given by
-class name or ``class_path``/``init_args``. Bad arguments exit with status 2
+class name or ``class_path``/``init_args``. After ``fit`` it prints the
+``tensorboard --logdir`` command for the run. Bad arguments exit with status 2
 and jsonargparse's message naming the argument. ``fit`` saves the full
 configuration as ``config.yaml`` in the run directory, which reruns the same
 run with ``--config``.
@@ -155,6 +156,9 @@ class LightningCLI:
         if self.datamodule is not None:
             kwargs["datamodule"] = self.datamodule
         self.result = method(self.model, **kwargs)
+        log_dir = self.trainer.log_dir
+        if subcommand == "fit" and log_dir is not None and distributed.is_rank_zero():
+            print(f"TensorBoard: tensorboard --logdir {os.path.dirname(log_dir)}", flush=True)
         after = getattr(self, f"after_{subcommand}", None)
         if after is not None:
             after()
