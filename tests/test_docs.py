@@ -69,3 +69,62 @@ def test_every_third_party_import_of_the_package_is_a_declared_dependency():
         if m in providers and not {d.lower() for d in providers[m]} & declared
     }
     assert "orbax" in third_party and not missing, missing
+
+
+GUIDES = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "index.md")
+NOT_RUN = re.compile(r"<!-- not run: [^>]+ -->\s*$")
+
+
+def _runnable_blocks(path: Path) -> list[str]:
+    """The page's Python blocks in order, except those marked right above with
+    ``<!-- not run: reason -->`` (code of another library, shown for comparison)."""
+    text = path.read_text()
+    blocks = []
+    for match in re.finditer(r"```python\n(.*?)```", text, flags=re.S):
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        if not NOT_RUN.match(before):
+            blocks.append(match.group(1))
+    return blocks
+
+
+def _shorter(code: str) -> str:
+    """The same code with short runs: every epoch count becomes 1 or 2."""
+    return re.sub(r"max_epochs=\d+", "max_epochs=2", code)
+
+
+@pytest.fixture(scope="module")
+def guide_prelude():
+    """Names the guides' fragments assume (they say so where they are used):
+    the digits example's module and loaders, a datamodule, a weights array."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("guide_digits", ROOT / "examples" / "digits.py")
+    digits = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = digits
+    spec.loader.exec_module(digits)
+    train_loader, val_loader = digits.digits_loaders(128)
+    return {
+        "LitDigits": digits.LitDigits,
+        "model": digits.LitDigits(),
+        "train_loader": train_loader,
+        "val_loader": val_loader,
+        "test_loader": val_loader,
+        "loader": val_loader,
+        "DigitsData": digits.DigitsData,
+        "weights": digits.np.ones((3, 3), digits.np.float32),
+    }
+
+
+@pytest.mark.parametrize("page", GUIDES)
+def test_every_python_block_of_the_guides_runs(page, guide_prelude, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # logs, checkpoints and run files go here
+    blocks = _runnable_blocks(ROOT / "docs" / page)
+    if not blocks:
+        pytest.skip(f"{page} has no Python blocks")
+    name = f"guide_{page[:-3].replace('-', '_')}"
+    sys.modules[name] = types.ModuleType(name)  # flax modules are dataclasses: they need it
+    namespace = {"__name__": name, **guide_prelude}
+    prelude = "import jax\nimport numpy as np\nimport optax\nimport flax.linen as nn\nimport jaxlightning as jl\n"
+    exec(compile(prelude, f"{page} (prelude)", "exec"), namespace)
+    for i, block in enumerate(blocks):
+        exec(compile(_shorter(block), f"docs/{page}, block {i + 1}", "exec"), namespace)
