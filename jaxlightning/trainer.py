@@ -107,8 +107,10 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
             is not set either, as in Lightning; -1: no epoch limit).
         max_steps: stop after this many optimizer steps (-1: no limit).
         devices: ``"auto"`` (all local devices), a count, or a list of devices.
-        strategy: ``"auto"`` (= ``"shard_map"``), ``"pmap"``, ``"shard_map"`` or
-            a `Strategy` instance.
+        strategy: ``"auto"`` (= ``"shard_map"``, data parallel), ``"pmap"``,
+            ``"shard_map"``, ``"fsdp"`` (state split over the devices), or a
+            `Strategy` instance such as ``jl.ModelParallelStrategy(data=4,
+            model=2)`` (tensor parallel by the model's partitioning annotations).
         log_every_n_steps: report ``train/*`` averages every this many steps.
         check_val_every_n_epoch: validate after every this many epochs.
         num_sanity_val_steps: before training, run this many batches of each

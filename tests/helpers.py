@@ -125,3 +125,49 @@ def max_abs_diff(a, b) -> float:
         float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64))))
         for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     )
+
+
+def nnx_mlp_module(init_variables, lr=1e-2) -> jl.JaxModule:
+    """`LitMLP` written in NNX, starting from linen ``init_variables``: its
+    layers are named as linen names them, so the two train to the same arrays."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class NnxMLP(nnx.Module):
+        def __init__(self, params):
+            rngs = nnx.Rngs(0)
+            for name in ("Dense_0", "Dense_1", "Dense_2"):
+                fan_in, fan_out = params[name]["kernel"].shape
+                layer = nnx.Linear(fan_in, fan_out, rngs=rngs)
+                layer.kernel = nnx.Param(jnp.asarray(params[name]["kernel"]))
+                layer.bias = nnx.Param(jnp.asarray(params[name]["bias"]))
+                setattr(self, name, layer)
+
+        def __call__(self, x):
+            x = nnx.relu(self.Dense_0(x))
+            return self.Dense_2(nnx.relu(self.Dense_1(x)))
+
+    class LitNnxMLP(jl.JaxModule):
+        def __init__(self):
+            super().__init__()
+            self.model = NnxMLP(init_variables["params"])
+
+        def configure_optimizers(self):
+            return optax.adam(lr)
+
+        def loss(self, model, batch):
+            x, y = batch
+            logits = model(x)
+            self.log("acc", logits.argmax(-1) == y)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+        def eval_step(self, model, batch):
+            x, y = batch
+            logits = model(x)
+            self.log("loss", optax.softmax_cross_entropy_with_integer_labels(logits, y))
+            self.log("acc", logits.argmax(-1) == y)
+
+        def predict_step(self, model, batch):
+            return {"logits": model(batch[0])}
+
+    return LitNnxMLP()

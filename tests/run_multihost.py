@@ -2,6 +2,7 @@
 
     python -m jaxlightning.launch --nprocs 2 --devices-per-proc 4 \\
         tests/run_multihost.py --root DIR --out result.npz [--sleep-per-step S] [--strategy fsdp]
+        [--nnx]
 
 Global batch 64 (each process's DataLoader holds its share: 64 / processes),
 one epoch over 200 digits, validation on 45 (not a multiple of 8 devices).
@@ -23,6 +24,7 @@ def main(argv=None) -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--sleep-per-step", type=float, default=0.0)
     p.add_argument("--strategy", default="auto")
+    p.add_argument("--nnx", action="store_true", help="the same MLP written in Flax NNX")
     args = p.parse_args(argv)
 
     import jax
@@ -30,7 +32,7 @@ def main(argv=None) -> None:
     from jax.experimental import multihost_utils
 
     import jaxlightning as jl
-    from tests.helpers import LitMLP, digits, init_mlp, loader
+    from tests.helpers import LitMLP, digits, init_mlp, loader, nnx_mlp_module
 
     class Slow(jl.Callback):
         def on_train_batch_end(self, trainer, module, batch_idx):
@@ -49,7 +51,10 @@ def main(argv=None) -> None:
     per_process = 64 // jax.process_count()
     x, y = digits(200)
     vx, vy = digits(45, offset=1000)
-    model = LitMLP(lr=1e-2, init_variables=init_mlp())
+    if args.nnx:
+        model = nnx_mlp_module(init_mlp(), lr=1e-2)
+    else:
+        model = LitMLP(lr=1e-2, init_variables=init_mlp())
     trainer.fit(model, loader(x, y, per_process), loader(vx, vy, 16))
     (val,) = trainer.validate(model, loader(vx, vy, 16))
     pred = trainer.predict(model, loader(vx, vy, 16))

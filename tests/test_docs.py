@@ -124,7 +124,7 @@ def test_every_python_block_of_the_guides_runs(page, guide_prelude, tmp_path, mo
     name = f"guide_{page[:-3].replace('-', '_')}"
     sys.modules[name] = types.ModuleType(name)  # flax modules are dataclasses: they need it
     namespace = {"__name__": name, **guide_prelude}
-    prelude = "import jax\nimport numpy as np\nimport optax\nimport flax.linen as nn\nimport jaxlightning as jl\n"
+    prelude = "import jax, optax, numpy as np, flax.linen as nn, jaxlightning as jl"
     exec(compile(prelude, f"{page} (prelude)", "exec"), namespace)
     for i, block in enumerate(blocks):
         exec(compile(_shorter(block), f"docs/{page}, block {i + 1}", "exec"), namespace)

@@ -59,8 +59,9 @@ def two_process_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_process_fsdp_run(tmp_path_factory):
+    """FSDP over 2 processes, of the MLP written in Flax NNX (one run covers both)."""
     root = tmp_path_factory.mktemp("two_fsdp")
-    result = launch("--root", root, "--out", root / "result.npz", "--strategy", "fsdp")
+    result = launch("--root", root, "--out", root / "result.npz", "--strategy", "fsdp", "--nnx")
     assert result.returncode == 0, result.stdout[-3000:]
     assert "[rank 1] DONE rank=1 step=4" in result.stdout
     with np.load(root / "result.npz") as f:
@@ -86,7 +87,7 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(two_process_ru
         np.testing.assert_allclose(two[k], one[k], atol=1e-6, err_msg=k)
 
 
-def test_fsdp_over_two_processes_of_four_devices_equals_data_parallel_on_one(
+def test_nnx_fsdp_over_two_processes_of_four_devices_equals_linen_data_parallel_on_one(
     two_process_fsdp_run, one_process_run
 ):
     root, fsdp = two_process_fsdp_run
