@@ -290,7 +290,7 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         self._state: TrainState | None = None
         self._acc: TrainMetrics | None = None
         self._progress = (0, 0)  # (epoch, batch) of the next batch to train on
-        self._epoch_offset = 0  # global step before the current epoch's batch 0
+        self._epoch_offset = 0  # the device's number of the batch before this epoch's first
         self._stop_request = StopRequest()
         self._stop_signal = 0
         self._in_flight: deque[Any] = deque()
@@ -606,7 +606,10 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         """
         loader, val_dataloaders = loaders
         self.epoch_completed = False
-        self._epoch_offset = self.global_step - skip
+        # The device numbers batches (1-based) as update * k + micro-batch: this
+        # epoch's batch 0 is number offset + 1 (an epoch starts at an update).
+        k = self.step_options.accumulate_grad_batches
+        self._epoch_offset = self.global_step * k + self._micro - skip
         epoch_batches = self._epoch_batch_count(loader)
         self.num_training_batches = self._num_batches(loader, skip)
         self._validate_at_epoch_end = self.schedule.validate_at_epoch_end(epoch, epoch_batches)
@@ -784,10 +787,11 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         return jax.device_get(self.strategy.unreplicate(tree))
 
     def _check_finite(self, acc: TrainMetrics) -> None:
-        bad = int(acc.first_nonfinite)
+        bad = int(acc.first_nonfinite)  # the batch's number: update * k + micro-batch
         if bad and self.stop_on_nonfinite_loss:
+            step = (bad - 1) // self.step_options.accumulate_grad_batches + 1
             raise NonFiniteLossError(
-                f"the loss is not finite at step {bad} (epoch {self.current_epoch}, batch "
+                f"the loss is not finite at step {step} (epoch {self.current_epoch}, batch "
                 f"{bad - 1 - self._epoch_offset}); training stopped and no checkpoint of "
                 "it was saved. Lower the learning rate, clip gradients or check that batch; "
                 "Trainer(stop_on_nonfinite_loss=False) trains on regardless"

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -193,6 +194,18 @@ def test_nonfinite_loss_stops_with_step_and_keeps_last_good_checkpoint(tmp_path)
     lenient = quiet_trainer(max_epochs=1, stop_on_nonfinite_loss=False)
     lenient.fit(LitMLP(), loader(x, y, 8))
     assert lenient.global_step == 8 and np.isnan(lenient.callback_metrics["train/loss"])
+
+
+def test_nonfinite_loss_with_accumulation_names_its_update_epoch_and_batch():
+    class NanAtUpdate4(LitMLP):  # 0-based update 4: epoch 1, its batches 3-5
+        def loss(self, variables, batch, rngs):
+            bad = jnp.where(self.global_step == 4, jnp.nan, 0.0)
+            return super().loss(variables, batch, rngs) + bad
+
+    x, y = digits(60)  # 8 batches of 8 rows: updates after batches 3, 6 and 8 (flushed)
+    trainer = quiet_trainer(max_epochs=3, accumulate_grad_batches=3)
+    with pytest.raises(jl.NonFiniteLossError, match=r"step 5 \(epoch 1, batch 3\)"):
+        trainer.fit(NanAtUpdate4(), loader(x, y, 8))
 
 
 def test_missing_checkpoint_path_is_named(tmp_path):
