@@ -1,4 +1,5 @@
-"""Checkpoints and stopping: what the Trainer saves, and how a run resumes."""
+"""Checkpoints and stopping: what the Trainer saves, how a run resumes, and
+whether a resumed run has anything left to do."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import glob
 import json
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -14,7 +15,7 @@ import numpy as np
 
 from jaxlightning import distributed
 from jaxlightning.callbacks import Callback, ModelCheckpoint
-from jaxlightning.checkpoint import find_last, json_safe, read_meta
+from jaxlightning.checkpoint import find_last, json_safe, read_meta, restore_variables
 from jaxlightning.loggers.base import VersionedLogger
 from jaxlightning.module import JaxModule
 
@@ -159,3 +160,31 @@ class CheckpointingMixin:
         if log_dir:
             for logger in self.loggers:
                 logger.resume_in(log_dir)
+
+    def _finished(self, loader: Iterable[Any], skip: int) -> str:
+        """Why a fit from the current progress would train nothing ("" if it would)."""
+        if self.max_epochs is not None and self.current_epoch >= self.max_epochs:
+            return f"max_epochs={self.max_epochs} reached"
+        if not self._step_limit_reached():
+            return ""
+        # At an epoch's last batch, that epoch's end (validation) is still due.
+        epoch_end_due = skip > 0 and self._epoch_batch_count(loader) == skip
+        return "" if epoch_end_due else f"max_steps={self.max_steps} reached"
+
+    def _nothing_left(self, module: JaxModule, resume: str | None, reason: str) -> None:
+        if resume is not None:
+            module.variables = restore_variables(resume)
+            if self._fit_module is module:  # its variables no longer are the fit's state
+                self._fit_module = None
+            where = f"checkpoint {resume} is"
+        elif module.variables is not None:
+            where = "this Trainer is"
+        else:
+            where = "this Trainer is (and the module was not trained by it)"
+        if distributed.is_rank_zero():
+            print(
+                f"fit: nothing left to do: {reason}; the {where} at epoch "
+                f"{self.current_epoch}, step {self.global_step}. Raise max_epochs or "
+                "max_steps to train further.",
+                flush=True,
+            )

@@ -18,7 +18,7 @@ import numpy as np
 from jaxlightning import checks, compile_cache, distributed
 from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 from jaxlightning.callbacks.monitors import JaxProfiler, ModelSummary
-from jaxlightning.checkpoint import read_meta, restore_variables
+from jaxlightning.checkpoint import read_meta
 from jaxlightning.data import (
     Batches,
     DeviceBatch,
@@ -693,34 +693,6 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
             return
         limit = None if self.num_sanity_val_steps < 0 else self.num_sanity_val_steps
         self._evaluate("validation", module, val_dataloaders, limit=limit, publish=False)
-
-    def _finished(self, loader: Iterable[Any], skip: int) -> str:
-        """Why a fit from the current progress would train nothing ("" if it would)."""
-        if self.max_epochs is not None and self.current_epoch >= self.max_epochs:
-            return f"max_epochs={self.max_epochs} reached"
-        if not self._step_limit_reached():
-            return ""
-        # At an epoch's last batch, that epoch's end (validation) is still due.
-        epoch_end_due = skip > 0 and self._epoch_batch_count(loader) == skip
-        return "" if epoch_end_due else f"max_steps={self.max_steps} reached"
-
-    def _nothing_left(self, module: JaxModule, resume: str | None, reason: str) -> None:
-        if resume is not None:
-            module.variables = restore_variables(resume)
-            if self._fit_module is module:  # its variables no longer are the fit's state
-                self._fit_module = None
-            where = f"checkpoint {resume} is"
-        elif module.variables is not None:
-            where = "this Trainer is"
-        else:
-            where = "this Trainer is (and the module was not trained by it)"
-        if distributed.is_rank_zero():
-            print(
-                f"fit: nothing left to do: {reason}; the {where} at epoch "
-                f"{self.current_epoch}, step {self.global_step}. Raise max_epochs or "
-                "max_steps to train further.",
-                flush=True,
-            )
 
     def _epoch_batches(self, loader: Iterable[Any], epoch: int, skip: int) -> Batches:
         """Epoch ``epoch``'s training batches from batch ``skip`` on (at most the
