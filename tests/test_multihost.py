@@ -217,3 +217,44 @@ def test_using_jax_before_the_trainer_in_a_job_is_explained():
     assert "JAX was used before the Trainer could call jax.distributed.initialize()" in (
         done.stderr
     ), done.stderr[-2000:]
+
+
+def test_tensor_parallel_gpt_over_two_processes_equals_one_process(tmp_path):
+    """The GPT example under ModelParallelStrategy(model=2): each process's 4
+    devices form 2 model groups, the data axis spans the processes. Per-process
+    batches of 16 over 2 processes are one process's batches of 32."""
+    common = [
+        "--trainer.strategy=jaxlightning.ModelParallelStrategy",
+        "--trainer.strategy.model=2",
+        "--trainer.max_steps=8",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--model.d_model=32",
+        "--model.layers=1",
+        # Processes interleave the examples (process r takes every 2nd from r), so
+        # rows meet other devices' dropout keys than in one process: no dropout.
+        "--model.dropout=0",
+    ]
+    script = str(ROOT / "examples" / "gpt.py")
+    two = subprocess.run(
+        [sys.executable, "-m", "jaxlightning.launch", "--nprocs", "2", "--devices-per-proc", "4",
+         script, *common, "--data.batch_size=16", f"--trainer.default_root_dir={tmp_path / 'two'}"],
+        cwd=ROOT, env={**os.environ, "XLA_FLAGS": ""}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stdout[-3000:]
+    one = subprocess.run(
+        [sys.executable, script, *common, "--data.batch_size=32",
+         f"--trainer.default_root_dir={tmp_path / 'one'}"],
+        cwd=ROOT, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+
+    def final_loss(out):
+        return float(re.search(r"Final validation loss: ([\d.]+)", out).group(1))
+
+    assert (
+        "[rank 0] Training with ModelParallelStrategy(mesh={'batch': 4, 'model': 2})" in two.stdout
+    )
+    assert final_loss(two.stdout) == pytest.approx(final_loss(one.stdout), abs=2e-4)
+    assert complete_checkpoints(tmp_path / "two" / "lightning_logs" / "version_0" / "checkpoints")
