@@ -54,7 +54,9 @@ def largest_divisible_dim(shape: tuple[int, ...], n: int, min_size: int) -> int 
 class MeshStrategy(ShardMapStrategy):
     """Common ground of the sharded strategies: a mesh, a sharding per state leaf.
 
-    Subclasses say how each leaf of the train state is laid out (`leaf_spec`).
+    Subclasses say how each leaf of the train state is laid out: by its path and
+    shape (`leaf_spec`, FSDP) or by the model's annotations (`_specs`, tensor
+    parallel). Batches are split over the data axis only.
     """
 
     name = "mesh"
