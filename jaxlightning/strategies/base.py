@@ -32,6 +32,12 @@ class Strategy(abc.ABC):
         `gather(tree)` gives a sharded output back as host arrays with the global
         leading dimension.
 
+    A strategy that shards the train state (``shards_state``) also decides its
+    layout before it is built (`plan`), places it (`place_state`), compiles the
+    train step from its two parts (`compile_train`, with `reduce_grads`) and
+    hands checkpoints its arrays as they are (`checkpoint_arrays`); the data
+    parallel defaults of these replicate and compose the parts per device.
+
     Attributes:
         max_in_flight: the most steps the Trainer dispatches before waiting for
             the oldest to finish. Bounding it caps memory and avoids the XLA CPU
