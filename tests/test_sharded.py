@@ -194,6 +194,10 @@ def test_logical_partitioning_rules_and_clear_errors():
         ValueError, match="hidden/kernel is partitioned over mesh axis 'in'.*logical_rules"
     ):
         unmapped.fit(Lit(64), loader(X, Y, 48))
+    with pytest.warns(UserWarning, match="no parameter is partitioned over 'model'"):
+        quiet_trainer(max_steps=1, strategy=jl.ModelParallelStrategy(model=2)).fit(
+            LitMLP(), loader(X, Y, 48)
+        )
     with pytest.raises(ValueError, match=r"data=3, model=2\) needs 6 devices; the Trainer has 8"):
         quiet_trainer(strategy=jl.ModelParallelStrategy(data=3, model=2))
 

@@ -19,6 +19,7 @@ computes global reductions (``clip_by_global_norm`` in an optax chain) right.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -342,3 +343,16 @@ class ModelParallelStrategy(MeshStrategy):
         if self.logical_rules:
             specs = nn.logical_to_mesh(specs, self.logical_rules)
         return specs
+
+    def plan(self, abstract_state: Any) -> Any:
+        shardings = super().plan(abstract_state)
+        split = [s for s in jax.tree.leaves(self._param_specs, is_leaf=_is_spec) if s != P()]
+        if not split:
+            warnings.warn(
+                f"ModelParallelStrategy: no parameter is partitioned over {MODEL_AXIS!r}, so "
+                f"each of the {self.model_size} devices of a model group repeats the same "
+                "work. Annotate layers with nn.with_partitioning (or nnx.with_partitioning), "
+                "or use the default data-parallel strategy",
+                stacklevel=2,
+            )
+        return shardings
