@@ -177,11 +177,8 @@ class StartupMixin:
             module, shapes, shard_shapes(example.host.data, rows), tx, self.step_options
         )
         if is_manual(module):
-            train_step = self.strategy.compile(
-                build_train_step(module, tx, self.step_options),
-                sharded_args=(False, False, True, True),
-                sharded_out=(False, False),
-                donate_argnums=(0,),
+            train_step = self.strategy.compile_manual(
+                build_train_step(module, tx, self.step_options)
             )
         else:
             parts = build_train_parts(module, tx, self.step_options, self.strategy.reduce_grads())

@@ -459,13 +459,6 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         objective = "training_step" if manual else "loss"
         init = () if module._nnx_model() is not None else ("setup",)
         self._check_module(module, *init, "configure_optimizers", objective)
-        if manual and self.strategy.shards_state:
-            raise ValueError(
-                f"manual optimization (training_step) is not supported with "
-                f"strategy={self.strategy.name!r}, which shards the optimizer state; use "
-                "loss() with one optimizer (or several by parameter group), or a "
-                "data-parallel strategy"
-            )
         if manual and module._nnx_model() is not None:
             raise ValueError(
                 "manual optimization (training_step) of NNX models is not supported yet"

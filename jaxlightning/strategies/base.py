@@ -116,6 +116,16 @@ class Strategy(abc.ABC):
             donate_argnums=(0,),
         )
 
+    def compile_manual(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Compiles a per-device manual-optimization train step
+        ``(state, acc, batch, mask) -> (state, acc)``."""
+        return self.compile(
+            fn,
+            sharded_args=(False, False, True, True),
+            sharded_out=(False, False),
+            donate_argnums=(0,),
+        )
+
     def compile_global(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """Compiles ``state -> state`` (the same on every device)."""
         return self.compile(fn, sharded_args=(False,), sharded_out=False, donate_argnums=(0,))

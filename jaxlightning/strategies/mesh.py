@@ -206,6 +206,16 @@ class MeshStrategy(ShardMapStrategy):
             donate_argnums=(0,),
         )
 
+    def compile_manual(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Manual optimization: its optimizer steps run inside the per-device
+        function, which therefore receives the whole state (under FSDP gathered
+        for the step; tensor-parallel arrays stay split over ``"model"``); the
+        new state is laid out again as planned."""
+        mapped = self._per_device(fn, (P(), P(), P(self.axis_name), P(self.axis_name)), (P(), P()))
+        return jax.jit(
+            mapped, out_shardings=(self._state_shardings, self._replicated), donate_argnums=(0,)
+        )
+
     def compile_global(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return jax.jit(fn, out_shardings=self._state_shardings, donate_argnums=(0,))
 
