@@ -45,18 +45,22 @@ def host(tree):
 
 @pytest.fixture(scope="module")
 def dp_and_fsdp():
-    """The same MLP (with dropout and clipping in the optimizer) fitted 20 steps
-    data parallel and fully sharded, both on 8 devices."""
+    """The same MLP (with dropout, clipping in the optimizer and the gradient's
+    norm logged) fitted 20 steps data parallel and fully sharded, both on 8
+    devices."""
     runs = {}
     for strategy in ("auto", "fsdp"):
         module = ClippedMLP(hidden=256, lr=1e-2, dropout=0.1)
-        runs[strategy] = (fit(strategy, module), module)
+        runs[strategy] = (fit(strategy, module, log_grad_norm=True), module)
     return runs
 
 
 def test_fsdp_equals_data_parallel_after_20_steps_with_an_uneven_last_batch(dp_and_fsdp):
     (dp, dp_module), (fsdp, fsdp_module) = dp_and_fsdp["auto"], dp_and_fsdp["fsdp"]
     assert dp.global_step == fsdp.global_step == 20
+    # The global norm of the sharded gradient, as of the whole one.
+    grad_norm = dp.callback_metrics["train/grad_norm"]
+    assert fsdp.callback_metrics["train/grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
     assert max_abs_diff(host(dp.state.params), host(fsdp.state.params)) < 1e-5
     assert max_abs_diff(host(dp.state.opt_state), host(fsdp.state.opt_state)) < 1e-5
     val = loader(VX, VY, 16)
