@@ -171,3 +171,20 @@ def nnx_mlp_module(init_variables, lr=1e-2) -> jl.JaxModule:
             return {"logits": model(batch[0])}
 
     return LitNnxMLP()
+
+
+def load_example(name: str):
+    """``examples/<name>.py`` as the module ``example_<name>`` (loaded once)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    module_name = f"example_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # flax modules are dataclasses: they need it
+    spec.loader.exec_module(module)
+    return module

@@ -1,7 +1,5 @@
 """The LightningCLI-style command line, through examples/digits.py's `main`."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import jax
@@ -10,17 +8,12 @@ import pytest
 import yaml
 
 import jaxlightning as jl
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.py"
+from tests.helpers import load_example
 
 
 @pytest.fixture(scope="module")
 def digits():
-    spec = importlib.util.spec_from_file_location("digits_cli_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # flax modules are dataclasses: they need it
-    spec.loader.exec_module(module)
-    return module
+    return load_example("digits")
 
 
 def short(root, *extra):

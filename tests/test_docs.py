@@ -100,12 +100,9 @@ def _shorter(code: str) -> str:
 def guide_prelude():
     """Names the guides' fragments assume (they say so where they are used):
     the digits example's module and loaders, a datamodule, a weights array."""
-    import importlib.util
+    from tests.helpers import load_example
 
-    spec = importlib.util.spec_from_file_location("guide_digits", ROOT / "examples" / "digits.py")
-    digits = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = digits
-    spec.loader.exec_module(digits)
+    digits = load_example("digits")
     train_loader, val_loader = digits.digits_loaders(128)
     return {
         "LitDigits": digits.LitDigits,

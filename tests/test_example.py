@@ -1,20 +1,14 @@
 """The main job: examples/digits.py with its default settings."""
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import jax
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits.py"
+from tests.helpers import load_example
 
 
 def test_digits_example_reaches_95_percent_on_all_devices(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("digits_example", EXAMPLE)
-    digits = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = digits  # flax modules are dataclasses: they need it
-    spec.loader.exec_module(digits)
+    digits = load_example("digits")
     acc = digits.main(
         ["--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"]
     )

@@ -1,25 +1,14 @@
 """Every example runs end to end from its command line on short settings and
 reaches its stated metric (the digits main job has its own test)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 
 import jaxlightning as jl
+from tests.helpers import load_example
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # flax modules are dataclasses: they need it
-    spec.loader.exec_module(module)
-    return module
+load = load_example
 
 
 def quiet(root, *extra):

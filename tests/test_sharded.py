@@ -2,9 +2,7 @@
 data parallel, memory per device from the arrays' shards, and checkpoints that
 move between strategies."""
 
-import sys
 import warnings
-from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -16,10 +14,9 @@ from torch.utils.data import DataLoader
 
 import jaxlightning as jl
 from jaxlightning.strategies.mesh import largest_divisible_dim
-from tests.helpers import LitMLP, digits, loader, max_abs_diff, quiet_trainer
+from tests.helpers import LitMLP, digits, load_example, loader, max_abs_diff, quiet_trainer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import gpt  # noqa: E402
+gpt = load_example("gpt")
 
 X, Y = digits(300)  # batches of 48: six full, a last one of 12 rows
 VX, VY = digits(45, offset=1000)
