@@ -11,7 +11,7 @@ from jaxlightning.callbacks import ModelCheckpoint as ModelCheckpoint
 from jaxlightning.callbacks import TQDMProgressBar as TQDMProgressBar
 from jaxlightning.checkpoint import CheckpointError as CheckpointError
 from jaxlightning.data import BatchError as BatchError
-from jaxlightning.datamodule import DataModule as DataModule
+from jaxlightning.data import DataModule as DataModule
 from jaxlightning.loggers import CSVLogger as CSVLogger
 from jaxlightning.loggers import Logger as Logger
 from jaxlightning.loggers import TensorBoardLogger as TensorBoardLogger

@@ -175,3 +175,60 @@ def lightning_hooks(module: Any) -> None:
                 f"does not call; {instead}",
                 stacklevel=4,
             )
+
+
+def module_hooks(module: Any, *hooks: str) -> None:
+    """Refuses a module that is no `JaxModule`, skipped ``super().__init__()`` or
+    lacks a hook the Trainer needs; warns for Lightning-only hooks."""
+    from jaxlightning.module import JaxModule
+
+    if not isinstance(module, JaxModule):
+        raise TypeError(f"expected a jaxlightning.JaxModule, got {type(module).__name__}")
+    if not hasattr(module, "_log_sink"):
+        raise TypeError(f"{type(module).__name__}.__init__ must call super().__init__() first")
+    for hook in hooks:
+        if not type(module)._overrides(hook):
+            raise NotImplementedError(
+                f"{type(module).__name__} does not define {hook}(); the Trainer "
+                f"needs it here. See JaxModule.{hook} for its signature"
+            )
+    lightning_signatures(module, hooks)
+    lightning_hooks(module)
+
+
+def fit_module(module: Any, options: StepOptions) -> bool:
+    """Checks ``module`` for `fit`; whether it optimizes manually (``training_step``)."""
+    manual = type(module)._overrides("training_step")
+    objective = "training_step" if manual else "loss"
+    init = () if module._nnx_model() is not None else ("setup",)
+    module_hooks(module, *init, "configure_optimizers", objective)
+    if manual and module._nnx_model() is not None:
+        raise ValueError("manual optimization (training_step) of NNX models is not supported yet")
+    if manual and type(module)._overrides("loss"):
+        raise TypeError(
+            f"{type(module).__name__} defines both loss() and training_step(); define "
+            "loss() (one update from one loss) or training_step() (manual optimization)"
+        )
+    if manual and options.accumulate_grad_batches > 1:
+        raise ValueError(
+            "accumulate_grad_batches with manual optimization (training_step) is not "
+            "supported; accumulate inside training_step or use optax.MultiSteps"
+        )
+    return manual
+
+
+def fit_optimizer(module: Any, manual: bool, options: StepOptions, callbacks: list[Any]) -> Any:
+    """The optimizer the train step uses: ``configure_optimizers``', behind the
+    Trainer's gradient clipping, transformed by callbacks that live in the
+    optimizer (EMA)."""
+    tx = options.with_clipping(optimizer(module, manual=manual))
+    for callback in callbacks:
+        transform = getattr(callback, "transform_optimizer", None)
+        if transform is not None:
+            if manual:
+                raise ValueError(
+                    f"{type(callback).__name__} changes the optimizer, which manual "
+                    "optimization (training_step) does not support"
+                )
+            tx = transform(tx)
+    return tx

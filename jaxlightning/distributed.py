@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 # Set by `python -m jaxlightning.launch` (JAX itself reads JAX_COORDINATOR_ADDRESS).
 ENV_NUM_PROCESSES = "JAXLIGHTNING_NUM_PROCESSES"
@@ -138,3 +139,32 @@ def broadcast(value: Any) -> Any:
     from jax.experimental import multihost_utils
 
     return multihost_utils.broadcast_one_to_all(value)
+
+
+def gather_ints(value: int) -> list[int]:
+    """Every process's ``value``, in process order (``[value]`` when alone)."""
+    if jax.process_count() == 1:
+        return [int(value)]
+    from jax.experimental import multihost_utils
+
+    return [int(v) for v in multihost_utils.process_allgather(np.int64(value))]
+
+
+def agree(flag: bool, *, at_sync: bool = True) -> bool:
+    """A host-side condition every process acts on at the same step.
+
+    Alone, ``flag`` itself. In a multi-process run, process 0's ``flag`` (by its
+    clock, say), asked only where ``at_sync`` (a collective: the callers ask at
+    logging intervals); ``False`` elsewhere.
+    """
+    if jax.process_count() == 1:
+        return flag
+    return at_sync and bool(broadcast(np.bool_(flag)))
+
+
+def agree_max(value: int, *, at_sync: bool = True) -> int:
+    """The largest of every process's ``value`` (a signal one process received),
+    asked only where ``at_sync``; 0 elsewhere. Alone, ``value`` itself."""
+    if jax.process_count() == 1:
+        return value
+    return max(gather_ints(value)) if at_sync else 0

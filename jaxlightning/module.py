@@ -85,7 +85,8 @@ class JaxModule:
         self._hook: str = ""
         self._mask: jax.Array | None = None
         self._step: jax.Array | None = None
-        self._trainer: Any = None
+        self._trainer: Any = None  # the Trainer running this module, while it runs
+        self._host_log: Any = None  # where self.log in a host-side hook goes, meanwhile
         self._nnx: Any = None  # an NnxGraph while an NNX model is trained
 
     # ------------------------------------------------------------ the run
@@ -295,12 +296,12 @@ class JaxModule:
         """
         del sync_dist, batch_size, rank_zero_only  # always exact; see above
         if self._log_sink is None:
-            if self._trainer is None:
+            if self._host_log is None:
                 raise RuntimeError(
                     f"self.log({name!r}, ...) was called outside the Trainer; call it in "
                     "a traced hook (loss, eval_step) or a module hook while the Trainer runs"
                 )
-            self._trainer._log_host(name, value, prog_bar=prog_bar, logger=logger)
+            self._host_log(name, value, prog_bar=prog_bar, logger=logger)
             return
         if not isinstance(name, str) or not name:
             raise ValueError(f"self.log needs a non-empty string name, got {name!r}")

@@ -82,12 +82,10 @@ class Optimizers:
         mask: jax.Array,
         reduce: Any,
         axis: str,
-        clip: Callable[[Any], Any] = lambda grads: grads,
         precision: str = "32-true",
     ) -> None:
         self._txs = groups.txs
         self._axis = axis
-        self._clip = clip
         self._precision = precision
         self.state = state
         self._mask = mask
@@ -113,7 +111,8 @@ class Optimizers:
         `JaxModule.loss` does: a scalar, a per-example vector, or
         ``(loss, updates)`` with mutated collections. Only ``params[group]``
         is differentiated and updated; the Trainer's ``gradient_clip_val``
-        clips this group's averaged gradient.
+        clips this group's averaged gradient (a clipping transformation in
+        front of the group's optimizer).
 
         Returns:
             The loss, averaged over the real rows of the global batch.
@@ -139,7 +138,7 @@ class Optimizers:
         own = state.params if everything else state.params[group]
         (total, (count, updates)), grads = jax.value_and_grad(objective, has_aux=True)(own)
         grads, total, count, summed = self._reduce((grads, total, count, updates))
-        grads = self._clip(jax.tree.map(lambda g: g / count, grads))
+        grads = jax.tree.map(lambda g: g / count, grads)
         updates = pmean_floats(summed, updates, jax.lax.axis_size(self._axis))
         deltas, opt_state = self._txs[group].update(grads, state.opt_state[group], own)
         new_own = optax.apply_updates(own, deltas)

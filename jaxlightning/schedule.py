@@ -117,6 +117,31 @@ class Schedule:
         if self.max_epochs is not None and self.min_epochs > self.max_epochs:
             raise ValueError(f"min_epochs={self.min_epochs} > max_epochs={self.max_epochs}")
 
+    @classmethod
+    def from_trainer_args(
+        cls,
+        *,
+        limits: dict[str, Any],
+        overfit_batches: Any,
+        fast_dev_run: int,
+        val_check_interval: int | float | None,
+        **rules: Any,
+    ) -> Schedule:
+        """The schedule of the Trainer's arguments: ``limits`` (``limit_*_batches``
+        by name) checked; ``overfit_batches`` limits training and validation to
+        the first batches; ``fast_dev_run=n`` runs ``n`` batches of everything
+        (one epoch, validation at its end)."""
+        limits = {name: check_limit(name, value) for name, value in limits.items()}
+        overfit = check_limit("overfit_batches", overfit_batches) or None
+        if overfit is not None:  # the first batches, unshuffled, for training and validation
+            limits["limit_train_batches"] = limits["limit_val_batches"] = overfit
+        if fast_dev_run:
+            rules.update(max_epochs=1, max_steps=fast_dev_run)
+            val_check_interval = 1.0
+            limits = dict.fromkeys(limits, fast_dev_run)
+        interval = 1.0 if val_check_interval is None else val_check_interval
+        return cls(**rules, val_check_interval=interval, **limits)
+
     # ------------------------------------------------------------- batches
     def batches(self, stage: str, available: int | None) -> int | None:
         """Batches of a ``stage`` loader with ``available`` batches to run."""

@@ -80,9 +80,9 @@ class AccumulatingState(TrainState):
             micro=self.micro + 1,
         )
 
-    def apply_accumulated(self, tx: optax.GradientTransformation, clip: Any) -> AccumulatingState:
+    def apply_accumulated(self, tx: optax.GradientTransformation) -> AccumulatingState:
         """One optimizer update with the mean gradient accumulated so far; starts over."""
-        grads = clip(jax.tree.map(lambda g: g / self.rows, self.grad_sum))
+        grads = jax.tree.map(lambda g: g / self.rows, self.grad_sum)
         updated = self.apply_gradients(tx, grads)
         return updated.replace(
             grad_sum=jax.tree.map(jax.numpy.zeros_like, self.grad_sum),

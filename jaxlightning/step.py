@@ -29,7 +29,7 @@ from clu import metrics as clu_metrics
 from jaxlightning.losses import like, masked_loss_sum, pmean_floats, split_loss_output
 from jaxlightning.metrics import Average, LogOptions, across_devices, from_logged, zero
 from jaxlightning.module import JaxModule
-from jaxlightning.optimizers import Optimizers
+from jaxlightning.optimizers import Groups, Optimizers
 from jaxlightning.precision import for_compute
 from jaxlightning.state import AccumulatingState, TrainState
 
@@ -61,14 +61,18 @@ class StepOptions:
     accumulate_grad_batches: int = 1
     precision: str = "32-true"
 
-    def clip(self, grads: Any) -> Any:
+    def with_clipping(self, tx: Any) -> Any:
+        """``tx`` with the gradient clipping in front of it, as one optax chain
+        (for manual optimization's `Groups`, in front of each group's)."""
         if self.gradient_clip_val is None:
-            return grads
+            return tx
         if self.gradient_clip_algorithm == "norm":
             clipper = optax.clip_by_global_norm(self.gradient_clip_val)
         else:
             clipper = optax.clip(self.gradient_clip_val)
-        return clipper.update(grads, optax.EmptyState())[0]
+        if isinstance(tx, Groups):
+            return Groups({key: optax.chain(clipper, t) for key, t in tx.txs.items()})
+        return optax.chain(clipper, tx)
 
 
 Options = dict[str, LogOptions]
@@ -329,7 +333,7 @@ def build_train_parts(
             )
             new_state = jax.lax.cond(
                 state.micro == k,
-                lambda s: s.apply_accumulated(tx, options.clip),
+                lambda s: s.apply_accumulated(tx),
                 lambda s: s,
                 state,
             )
@@ -341,7 +345,6 @@ def build_train_parts(
             metrics["grad_norm"] = Average(
                 total=norm.astype(jnp.float32), count=jnp.ones((), jnp.int32)
             )
-        grads = options.clip(grads)
         new_state = state.apply_gradients(tx, grads, updates)
         return new_state, _merge_train(acc, metrics, new_state.step, finite, "loss")
 
@@ -364,7 +367,7 @@ def build_train_step(
         def reduce(tree: Any) -> Any:
             return across_devices(AXIS, {}, tree)[0]
 
-        optimizers = Optimizers(tx, state, mask, reduce, AXIS, options.clip, options.precision)
+        optimizers = Optimizers(tx, state, mask, reduce, AXIS, options.precision)
         with module._collect_logs("training_step", mask, state.step) as logged:
             out = module.training_step(optimizers, for_compute(batch, options.precision), rngs)
         if out is not None:
@@ -391,7 +394,7 @@ def build_flush(tx: Any, options: StepOptions) -> Callable[[Any], Any]:
     ends between two updates: Lightning updates with what it has)."""
 
     def jl_flush(state):
-        return state.apply_accumulated(tx, options.clip)
+        return state.apply_accumulated(tx)
 
     return jl_flush
 

@@ -1,98 +1,56 @@
-"""The Trainer: the loop that orchestrates data, steps, metrics and hooks."""
+"""The Trainer: a composition root. It checks its arguments, builds the
+components, and tells `fit`, `validate`, `test` and `predict` as short stories.
+
+Components (each owns its state, and receives in its constructor what it may touch):
+the data `Pipeline`, the `Program` (compiled steps, train state, steps in flight),
+the `FitLoop` and `EvalLoop` (the order of events), the `Reporter` (logged values
+to the bar, loggers and ``callback_metrics``), the `StopPolicy`, `Progress`
+(where the run is) and `Hooks` (callbacks, then the module).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import datetime
-import itertools
 import os
-import time
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxlightning import checks, compile_cache, distributed
-from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
-from jaxlightning.callbacks.monitors import JaxProfiler, ModelSummary
+from jaxlightning.callbacks import Callback, ModelCheckpoint, with_defaults
 from jaxlightning.checkpoint import read_meta
-from jaxlightning.data import (
-    Batches,
-    DeviceBatch,
-    Padder,
-    Prefetcher,
-    loader_batch_size,
-    torch_threads,
-)
-from jaxlightning.datamodule import loaders as datamodule_loaders
-from jaxlightning.evaluation import EvaluationMixin, eval_hook
-from jaxlightning.hooks import HooksMixin, as_loggers
+from jaxlightning.data import Pipeline
+from jaxlightning.data.datamodule import fit_loaders, stage_loaders
+from jaxlightning.data.datamodule import prepare as prepare_datamodule
+from jaxlightning.data.prefetch import torch_threads
 from jaxlightning.loggers import Logger, TensorBoardLogger
+from jaxlightning.loop import resume
+from jaxlightning.loop.eval_loop import EvalLoop, as_list, eval_hook
+from jaxlightning.loop.fit_loop import FitLoop
+from jaxlightning.loop.hooks import Hooks
+from jaxlightning.loop.program import NonFiniteLossError, Program
+from jaxlightning.loop.progress import Progress
+from jaxlightning.loop.reporter import Reporter, as_loggers
+from jaxlightning.loop.stop import StopPolicy
 from jaxlightning.module import JaxModule
 from jaxlightning.precision import resolve as precision_setting
-from jaxlightning.reporting import report
-from jaxlightning.resume import CheckpointingMixin
-from jaxlightning.sampling import BatchSlice, common_num_batches, epoch_loader
-from jaxlightning.schedule import Schedule, check_limit, parse_max_time
+from jaxlightning.schedule import Schedule, parse_max_time
 from jaxlightning.seed import default_seed
-from jaxlightning.signals import StopRequest
-from jaxlightning.startup import StartupMixin
 from jaxlightning.state import TrainState
-from jaxlightning.step import (
-    TrainMetrics,
-    is_manual,
-)
-from jaxlightning.strategies import Strategy, resolve_strategy
+from jaxlightning.strategies import Strategy, resolve_devices, resolve_strategy
+
+__all__ = ["NonFiniteLossError", "Trainer"]
 
 
-class NonFiniteLossError(FloatingPointError):
-    """The training loss became NaN or infinite."""
+def _read(component: str, name: str, doc: str) -> Any:
+    """A read-only property that reads ``name`` of the component ``component``."""
+    return property(lambda self: getattr(getattr(self, component), name), doc=doc)
 
 
-_PAD_BATCH = object()
-
-
-def _exactly(loader: Iterable[Any], total: int) -> Iterator[Any]:
-    """``total`` items of ``loader``: cut short, or topped up with `_PAD_BATCH`."""
-    n = 0
-    for item in itertools.islice(loader, total):
-        n += 1
-        yield item
-    for _ in range(total - n):
-        yield _PAD_BATCH
-
-
-def _resolve_devices(devices: int | str | Sequence[jax.Device]) -> list[jax.Device]:
-    local = jax.local_devices()
-    if jax.process_count() > 1:
-        if devices not in ("auto", len(local)):
-            raise ValueError(
-                f"devices={devices!r} in a {jax.process_count()}-process run: each process "
-                f"uses all of its {len(local)} local devices; use devices='auto'"
-            )
-        return jax.devices()
-    if devices == "auto":
-        return local
-    if isinstance(devices, int) and not isinstance(devices, bool):
-        if not 1 <= devices <= len(local):
-            raise ValueError(
-                f"devices={devices} but this process has {len(local)} local "
-                f"{local[0].platform} device(s). Use devices='auto' or a count up to "
-                f"{len(local)}; on a CPU-only machine, simulate N devices by setting "
-                "XLA_FLAGS=--xla_force_host_platform_device_count=N before jax is imported"
-            )
-        return local[:devices]
-    if isinstance(devices, Sequence) and all(isinstance(d, jax.Device) for d in devices):
-        if not devices:
-            raise ValueError("devices=[]: give at least one device, a count, or 'auto'")
-        return list(devices)
-    raise ValueError(f"devices={devices!r}: use 'auto', a count, or a list of jax devices")
-
-
-class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
+class Trainer:
     """Trains a `JaxModule` data-parallel over the local devices.
 
     Example:
@@ -106,33 +64,55 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         max_epochs: stop after this many epochs (default 1000 when ``max_steps``
             is not set either, as in Lightning; -1: no epoch limit).
         max_steps: stop after this many optimizer steps (-1: no limit).
+        min_epochs: a stop requested earlier (``trainer.should_stop``,
+            `EarlyStopping`) waits until this many epochs have run.
+        min_steps: likewise, until this many optimizer steps have run.
+        max_time: stop training at the next step once this much time has passed
+            (``"DD:HH:MM:SS"``, a dict such as ``{"hours": 4}``, or a
+            ``timedelta``); overrides ``min_epochs``/``min_steps``. Across
+            processes, process 0's clock decides at logging intervals.
         devices: ``"auto"`` (all local devices), a count, or a list of devices.
         strategy: ``"auto"`` (= ``"shard_map"``, data parallel), ``"pmap"``,
             ``"shard_map"``, ``"fsdp"`` (state split over the devices), or a
             `Strategy` instance such as ``jl.ModelParallelStrategy(data=4,
             model=2)`` (tensor parallel by the model's partitioning annotations).
         log_every_n_steps: report ``train/*`` averages every this many steps.
-        check_val_every_n_epoch: validate after every this many epochs.
+        val_check_interval: validate every this fraction of an epoch (float in
+            (0, 1]) or every this many training batches (int; counted across
+            epochs with ``check_val_every_n_epoch=None``); default once, at the
+            epoch's end.
+        check_val_every_n_epoch: validate in every this-many-th epoch.
         num_sanity_val_steps: before training, run this many batches of each
             validation loader (-1: all; 0: none), discarding the results, so
             that a bug in ``eval_step`` shows before an epoch of training
             rather than after it. Also compiles the eval step ahead.
+        limit_train_batches: train on this many batches per epoch (int) or this
+            fraction of them (float); likewise ``limit_val_batches``,
+            ``limit_test_batches`` and ``limit_predict_batches``.
+        limit_val_batches: see ``limit_train_batches``.
+        limit_test_batches: see ``limit_train_batches``.
+        limit_predict_batches: see ``limit_train_batches``.
+        fast_dev_run: run this many batches (``True``: 1) of training and
+            validation, one epoch, no sanity check, logger or checkpoints: a
+            smoke test of the whole run.
+        overfit_batches: train and validate on the first this many batches (or
+            this fraction) of the training loader's order, unshuffled.
         gradient_clip_val: clip the gradient, averaged across devices, to this
             global norm (or, with ``gradient_clip_algorithm="value"``, each
             element to this magnitude) before the optimizer sees it.
         gradient_clip_algorithm: ``"norm"`` or ``"value"``.
         log_grad_norm: log the global norm of the averaged gradient (before
             clipping) as ``train/grad_norm``.
-        precision: ``"32-true"`` (default), ``"bf16-mixed"`` (float32 master
-            parameters and optimizer state, bfloat16 forward and backward passes,
-            float32 loss, gradients and metrics), ``"bf16-true"`` or
-            ``"64-true"``; any flax model, no per-layer dtypes needed.
         accumulate_grad_batches: sum the gradients of this many consecutive
             batches (exactly, weighted by their real rows) into one optimizer
             update, as one batch that many times larger would; each batch is
             its own dispatch, so memory is that of one batch. ``global_step``
             and ``max_steps`` count updates; an epoch's leftover batches make
             one last, smaller update.
+        precision: ``"32-true"`` (default), ``"bf16-mixed"`` (float32 master
+            parameters and optimizer state, bfloat16 forward and backward passes,
+            float32 loss, gradients and metrics), ``"bf16-true"`` or
+            ``"64-true"``; any flax model, no per-layer dtypes needed.
         default_root_dir: where logs go (default: the working directory).
         logger: ``True`` for a `TensorBoardLogger`, ``False`` for none, a
             `Logger`, or a list of them (each gets every value).
@@ -202,129 +182,125 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         profiler: str | None = None,
     ) -> None:
         max_epochs, max_steps = checks.epoch_limit(max_epochs, max_steps)
-        self.log_every_n_steps = checks.int_arg("log_every_n_steps", log_every_n_steps, minimum=1)
+        self.fast_dev_run = checks.fast_dev_run(fast_dev_run)
         if check_val_every_n_epoch is not None:
             checks.int_arg("check_val_every_n_epoch", check_val_every_n_epoch, minimum=1)
-        self.num_sanity_val_steps = checks.int_arg(
-            "num_sanity_val_steps", num_sanity_val_steps, minimum=-1, hint=" (-1: all batches)"
-        )
-        limits = {
-            name: check_limit(name, value)
-            for name, value in [
-                ("limit_train_batches", limit_train_batches),
-                ("limit_val_batches", limit_val_batches),
-                ("limit_test_batches", limit_test_batches),
-                ("limit_predict_batches", limit_predict_batches),
-            ]
-        }
-        overfit = check_limit("overfit_batches", overfit_batches) or None
-        self.overfit_batches = overfit
-        if overfit is not None:  # the first batches, unshuffled, for training and validation
-            limits["limit_train_batches"] = limits["limit_val_batches"] = overfit
-        self.fast_dev_run = checks.fast_dev_run(fast_dev_run)
-        if self.fast_dev_run:  # a few batches of everything; nothing kept
-            n = self.fast_dev_run
-            max_epochs, max_steps, val_check_interval = 1, n, 1.0
-            limits = dict.fromkeys(limits, n)
-            self.num_sanity_val_steps = 0
-            logger, enable_checkpointing = False, False
-            callbacks = [c for c in _as_list(callbacks) if not isinstance(c, ModelCheckpoint)]
-        self.schedule = Schedule(
+        self.schedule = Schedule.from_trainer_args(
+            limits={
+                "limit_train_batches": limit_train_batches,
+                "limit_val_batches": limit_val_batches,
+                "limit_test_batches": limit_test_batches,
+                "limit_predict_batches": limit_predict_batches,
+            },
+            overfit_batches=overfit_batches,
+            fast_dev_run=self.fast_dev_run,
+            val_check_interval=val_check_interval,
             max_epochs=max_epochs,
             max_steps=max_steps,
             min_epochs=checks.int_arg("min_epochs", min_epochs or 0, minimum=0),
             min_steps=checks.int_arg("min_steps", min_steps or 0, minimum=0),
             max_time=parse_max_time(max_time),
-            val_check_interval=1.0 if val_check_interval is None else val_check_interval,
             check_val_every_n_epoch=check_val_every_n_epoch,
-            **limits,
         )
-        seed = default_seed() if seed is None else seed
-        self.seed = checks.int_arg("seed", seed, minimum=0)
-        self.step_options = checks.step_options(
+        hint = " (-1: all batches)"
+        sanity = checks.int_arg("num_sanity_val_steps", num_sanity_val_steps, minimum=-1, hint=hint)
+        if self.fast_dev_run:  # a few batches of everything; nothing kept
+            sanity, logger, enable_checkpointing = 0, False, False
+            callbacks = [c for c in as_list(callbacks) if not isinstance(c, ModelCheckpoint)]
+        seed = checks.int_arg("seed", default_seed() if seed is None else seed, minimum=0)
+        options = checks.step_options(
             gradient_clip_val, gradient_clip_algorithm, log_grad_norm, accumulate_grad_batches
         )
-        self.step_options = dataclasses.replace(
-            self.step_options, precision=precision_setting(precision)
-        )
+        options = dataclasses.replace(options, precision=precision_setting(precision))
         self.default_root_dir = os.fspath(default_root_dir or os.getcwd())
         distributed.initialize(num_nodes)  # before anything touches the devices
         if compilation_cache_dir is not None:
             compile_cache.enable(compilation_cache_dir)
         self.strategy = resolve_strategy(strategy)
-        self.strategy.setup(_resolve_devices(devices))
+        self.strategy.setup(resolve_devices(devices))
         if logger is True:
             logger = TensorBoardLogger(self.default_root_dir)
-        self.loggers: list[Logger] = as_loggers(logger)
-        if isinstance(callbacks, Callback):
-            callbacks = [callbacks]
-        self.callbacks: list[Callback] = list(callbacks or [])
-        if enable_checkpointing and not any(isinstance(c, ModelCheckpoint) for c in self.callbacks):
-            self.callbacks.append(ModelCheckpoint())
-        self.stop_on_nonfinite_loss = stop_on_nonfinite_loss
-        self.use_distributed_sampler = use_distributed_sampler
-        if (
-            enable_progress_bar
-            and distributed.is_rank_zero()
-            and not any(isinstance(c, TQDMProgressBar) for c in self.callbacks)
-        ):
-            self.callbacks.append(TQDMProgressBar())
-        if enable_model_summary and not any(isinstance(c, ModelSummary) for c in self.callbacks):
-            self.callbacks.insert(0, ModelSummary())
-        if profiler not in (None, "jax"):
-            raise ValueError(f"profiler={profiler!r}: use 'jax' or None")
-        if profiler == "jax":
-            self.callbacks.append(JaxProfiler())
-
-        self.global_step = 0
-        self.current_epoch = 0
-        self.train_samples_seen = 0  # real rows this process has trained on
-        self.callback_metrics: dict[str, float] = {}
-        self.logged_metrics: dict[str, float] = {}
-        self.progress_bar_metrics: dict[str, float] = {}
-        self._train_options: dict[str, Any] = {}
-        self.num_training_batches: int | None = None
-        self.num_eval_batches: int | None = None
-        self.should_stop = False
-        self.epoch_completed = False
-        self._state: TrainState | None = None
-        self._acc: TrainMetrics | None = None
-        self._progress = (0, 0)  # (epoch, batch) of the next batch to train on
-        self._epoch_offset = 0  # the device's number of the batch before this epoch's first
-        self._stop_request = StopRequest()
-        self._stop_signal = 0
-        self._in_flight: deque[Any] = deque()
-        self._eval_fns: dict[Any, Any] = {}
-        self._fit_module: JaxModule | None = None
-        self._train_step: Any = None
+        self.callbacks: list[Callback] = with_defaults(
+            as_list(callbacks),
+            checkpointing=enable_checkpointing,
+            progress_bar=enable_progress_bar,
+            summary=enable_model_summary,
+            profiler=profiler,
+        )
         self.datamodule: Any = None
-        self._fit_started = 0.0  # time.monotonic() when training began, for max_time
-        self._time_up = False
-        self._validate_at_epoch_end = False
-        self._micro = 0
-        self._flush: Any = None
-        self._train_loader: Any = None
         self.stage: str | None = None  # "fit", "validate", "test" or "predict" while running
+        self._train_loader: Any = None  # fit's, for estimated_stepping_batches
+
+        # The components, each given what it may touch.
+        self._progress = progress = Progress()
+        self._reporter = reporter = Reporter(as_loggers(logger), progress)
+        self._stop = StopPolicy(self.schedule, progress)
+        self._hooks = hooks = Hooks(self.callbacks, self)
+        self._pipeline = pipeline = Pipeline(
+            self.strategy,
+            self.schedule,
+            seed=seed,
+            own_order=use_distributed_sampler,
+            shuffle_train=False if overfit_batches else None,
+        )
+        self._program = program = Program(
+            self.strategy, options, seed=seed, progress=progress,
+            stop_on_nonfinite_loss=stop_on_nonfinite_loss,
+        )  # fmt: skip
+        self._evaluation = EvalLoop(
+            pipeline, program, hooks, reporter, progress, self._resolve_ckpt_path
+        )
+        self._fit_loop = FitLoop(
+            pipeline=pipeline, program=program, evaluation=self._evaluation, hooks=hooks,
+            reporter=reporter, stop=self._stop, progress=progress, schedule=self.schedule,
+            log_every_n_steps=checks.int_arg("log_every_n_steps", log_every_n_steps, minimum=1),
+            num_sanity_val_steps=sanity,
+        )  # fmt: skip
 
     # ------------------------------------------------------------ properties
+    global_step = _read("_progress", "global_step", "Optimizer updates so far.")
+    current_epoch = _read("_progress", "current_epoch", "Completed epochs.")
+    epoch_completed = _read("_progress", "epoch_completed", "Whether the last epoch ran out.")
+    train_samples_seen = _read("_progress", "train_samples_seen", "Real rows trained on here.")
+    num_training_batches = _read("_progress", "num_training_batches", "Batches of this epoch.")
+    num_eval_batches = _read("_progress", "num_eval_batches", "Batches of this evaluation.")
+    callback_metrics = _read("_reporter", "callback_metrics", "Every reported value, by name.")
+    logged_metrics = _read("_reporter", "logged_metrics", "The values last sent to loggers.")
+    progress_bar_metrics = _read("_reporter", "progress_bar_metrics", "The bar's values.")
+    loggers = _read("_reporter", "loggers", "Every logger.")
+    log_dir = _read("_reporter", "log_dir", "The first logger's run directory.")
+    seed = _read("_program", "seed", "The run's seed.")
+    log_every_n_steps = _read("_fit_loop", "log_every_n_steps", "The logging interval.")
+    max_epochs = _read("schedule", "max_epochs", "The epoch limit (``None``: none).")
+    max_steps = _read("schedule", "max_steps", "The step limit (-1: none).")
+    check_val_every_n_epoch = _read("schedule", "check_val_every_n_epoch", "Validation epochs.")
+    num_devices = _read("strategy", "num_devices", "Devices over all processes.")
+
+    @property
+    def should_stop(self) -> bool:
+        """Set it to stop the fit (once ``min_epochs``/``min_steps`` are reached)."""
+        return self._stop.should_stop
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self._stop.should_stop = bool(value)
+
     @property
     def state(self) -> TrainState | None:
-        """One (unreplicated) copy of the train state; ``None`` before `fit`."""
-        return None if self._state is None else self.strategy.unreplicate(self._state)
+        """A copy of the train state (one, unreplicated) that stays valid while
+        training goes on; ``None`` before `fit`. Copies on the devices: read
+        what you need and drop it."""
+        return self._program.state_copy()
 
     @property
-    def max_epochs(self) -> int | None:
-        """The epoch limit (``None``: none)."""
-        return self.schedule.max_epochs
+    def logger(self) -> Logger | None:
+        """The first logger (``None`` without one); `loggers` has them all."""
+        return self.loggers[0] if self.loggers else None
 
     @property
-    def max_steps(self) -> int:
-        """The step limit (-1: none)."""
-        return self.schedule.max_steps
-
-    @property
-    def check_val_every_n_epoch(self) -> int | None:
-        return self.schedule.check_val_every_n_epoch
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        """The first `ModelCheckpoint` among the callbacks."""
+        return resume.checkpoint_callback(self._hooks)
 
     @property
     def estimated_stepping_batches(self) -> float:
@@ -333,85 +309,67 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
         Readable in ``configure_optimizers`` to size schedules."""
         if self._train_loader is None:
             raise RuntimeError("estimated_stepping_batches is known once fit has its loaders")
-        batches = self._epoch_batch_count(self._train_loader)
-        k = self.step_options.accumulate_grad_batches
+        batches = self._pipeline.train_batches_per_epoch(self._train_loader)
+        k = self._program.options.accumulate_grad_batches
         return self.schedule.estimated_steps(None if batches is None else -(-batches // k))
 
-    @property
-    def num_devices(self) -> int:
-        return self.strategy.num_devices
+    def checkpoint_payload(self, module: JaxModule) -> tuple[Any, dict[str, Any]]:
+        """What a checkpoint of the run holds now: arrays and a JSON record.
 
-    @property
-    def logger(self) -> Logger | None:
-        """The first logger (``None`` without one); `loggers` has them all."""
-        return self.loggers[0] if self.loggers else None
-
-    @property
-    def log_dir(self) -> str | None:
-        """The first logger's run directory (checkpoints go there by default)."""
-        return self.loggers[0].log_dir if self.loggers else None
-
-    # --------------------------------------------------------------- helpers
-    def _host_threads(self) -> Any:
-        """One torch thread for in-process loading while XLA computes on the CPU."""
-        return torch_threads(1 if self.strategy.on_cpu else None)
-
-    def _throttle(self, token: Any) -> None:
-        """Bounds the steps in flight by waiting on the oldest one's output."""
-        self._in_flight.append(token)
-        if len(self._in_flight) > self.strategy.max_in_flight:
-            jax.block_until_ready(self._in_flight.popleft())
-
-    def _drain(self) -> None:
-        while self._in_flight:
-            jax.block_until_ready(self._in_flight.popleft())
-
-    def _batches(
-        self,
-        loader: Iterable[Any],
-        name: str,
-        *,
-        allow_empty: bool = False,
-        total: int | None = None,
-    ) -> Batches:
-        """Starts prefetching ``loader``; its first batch is ready on return.
-
-        With ``total``, yields exactly that many batches, adding all-padding
-        ones at the end: every process of a multi-process run must run the same
-        number of steps. The caller closes the result.
+        Waits for the steps in flight, and refuses (`NonFiniteLossError`) when
+        a step since the last report had a non-finite loss, so a bad state is
+        never saved.
         """
-        padder = Padder(self.strategy.num_local_shards, loader_batch_size(loader))
-        put = self.strategy.put_batch
+        if not self._program.started:
+            raise RuntimeError("nothing to checkpoint: fit has not started")
+        tree = self._program.checkpoint_tree()
+        meta = resume.checkpoint_record(
+            self._hooks,
+            module,
+            self._progress,
+            self.datamodule,
+            seed=self.seed,
+            log_dir=self.log_dir,
+            num_devices=self.num_devices,
+        )
+        return tree, meta
 
-        def prepare(raw: Any) -> DeviceBatch:
-            host = padder.empty() if raw is _PAD_BATCH else padder(raw)
-            data, mask = put((host.data, host.mask))
-            return DeviceBatch(host, data, mask)
+    # ---------------------------------------------------------------- stages
+    @contextlib.contextmanager
+    def _stage(self, stage: str, module: JaxModule, datamodule: Any) -> Iterator[None]:
+        """Runs a Trainer call: ``setup``/``teardown`` (always) with ``stage``, and
+        ``on_exception`` when it fails; the datamodule is prepared and set up.
+        The module sees this Trainer (``self.trainer``) only while it runs."""
+        # (getattr: a module whose __init__ skipped super().__init__() is refused later)
+        previous = (
+            self.stage,
+            getattr(module, "_trainer", None),
+            getattr(module, "_host_log", None),
+        )
+        module._trainer, module._host_log = self, self._reporter.log_host
+        self.stage = stage
+        if datamodule is not None:
+            self.datamodule = datamodule
+            prepare_datamodule(datamodule, stage)
+        self._hooks("setup", module, stage)
+        try:
+            # One torch thread for in-process loading while XLA computes on the CPU.
+            with torch_threads(1 if self.strategy.on_cpu else None):
+                yield
+        except BaseException as exc:
+            if not isinstance(exc, SystemExit):  # a signal's clean stop is not a failure
+                self._hooks("on_exception", module, exc)
+            raise
+        finally:
+            self._hooks("teardown", module, stage)
+            self.stage, module._trainer, module._host_log = previous
+            if datamodule is not None and hasattr(datamodule, "teardown"):
+                datamodule.teardown(stage)
 
-        source = loader if total is None else _exactly(loader, total)
-        batches = Batches(Prefetcher(source, prepare, depth=self.strategy.prefetch_depth))
-        if batches.first is None and not allow_empty:
-            batches.close()
-            raise ValueError(
-                f"{name} yielded no batches; check the dataset's length and the "
-                "DataLoader's drop_last setting"
-            )
-        return batches
-
-    @staticmethod
-    def _check_module(module: JaxModule, *hooks: str) -> None:
-        if not isinstance(module, JaxModule):
-            raise TypeError(f"expected a jaxlightning.JaxModule, got {type(module).__name__}")
-        if not hasattr(module, "_log_sink"):
-            raise TypeError(f"{type(module).__name__}.__init__ must call super().__init__() first")
-        for hook in hooks:
-            if not type(module)._overrides(hook):
-                raise NotImplementedError(
-                    f"{type(module).__name__} does not define {hook}(); the Trainer "
-                    f"needs it here. See JaxModule.{hook} for its signature"
-                )
-        checks.lightning_signatures(module, hooks)
-        checks.lightning_hooks(module)
+    def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike[str]) -> str:
+        return resume.resolve_ckpt_path(
+            ckpt_path, self.checkpoint_callback, self.loggers, self.default_root_dir
+        )
 
     # ------------------------------------------------------------------- fit
     def fit(
@@ -439,354 +397,115 @@ class Trainer(StartupMixin, HooksMixin, EvaluationMixin, CheckpointingMixin):
                 checkpoint's variables into ``module`` and says so.
         """
         with self._stage("fit", module, datamodule):
-            if datamodule is not None:
-                if train_dataloaders is not None or val_dataloaders is not None:
-                    raise ValueError("pass either dataloaders or datamodule= to fit, not both")
-                train_dataloaders = datamodule_loaders(datamodule, "train", required=True)
-                val_dataloaders = datamodule_loaders(datamodule, "validation", required=False)
-            if train_dataloaders is None:
-                raise TypeError("fit needs train_dataloaders (or datamodule=...)")
-            self._fit(module, train_dataloaders, val_dataloaders, ckpt_path)
+            train, val = fit_loaders(train_dataloaders, val_dataloaders, datamodule)
+            self._fit(module, train, val, ckpt_path)
 
-    def _fit(
-        self,
-        module: JaxModule,
-        train_dataloaders: Iterable[Any],
-        val_dataloaders: Any,
-        ckpt_path: str | os.PathLike[str] | None,
-    ) -> None:
-        manual = is_manual(module)
-        objective = "training_step" if manual else "loss"
-        init = () if module._nnx_model() is not None else ("setup",)
-        self._check_module(module, *init, "configure_optimizers", objective)
-        if manual and module._nnx_model() is not None:
-            raise ValueError(
-                "manual optimization (training_step) of NNX models is not supported yet"
-            )
-        if manual and type(module)._overrides("loss"):
-            raise TypeError(
-                f"{type(module).__name__} defines both loss() and training_step(); define "
-                "loss() (one update from one loss) or training_step() (manual optimization)"
-            )
-        if manual and self.step_options.accumulate_grad_batches > 1:
-            raise ValueError(
-                "accumulate_grad_batches with manual optimization (training_step) is not "
-                "supported; accumulate inside training_step or use optax.MultiSteps"
-            )
-        if val_dataloaders is not None:
-            self._check_module(module, eval_hook(module, "validation"))
-        self._train_loader = train_dataloaders
-        tx = checks.optimizer(module, manual=manual)
-        for callback in self.callbacks:  # features that live in the optimizer (EMA)
-            transform = getattr(callback, "transform_optimizer", None)
-            if transform is not None:
-                if manual:
-                    raise ValueError(
-                        f"{type(callback).__name__} changes the optimizer, which manual "
-                        "optimization (training_step) does not support"
-                    )
-                tx = transform(tx)
+    def _fit(self, module: JaxModule, train: Any, val: Any, ckpt_path: Any) -> None:
+        manual = checks.fit_module(module, self._program.options)
+        if val is not None:
+            checks.module_hooks(module, eval_hook(module, "validation"))
+        self._train_loader = train
+        tx = checks.fit_optimizer(module, manual, self._program.options, self.callbacks)
         if self.max_epochs != 1:
-            checks.reiterable(train_dataloaders, "train_dataloaders", passes="once per epoch")
-        for loader in _as_list(val_dataloaders):
+            checks.reiterable(train, "train_dataloaders", passes="once per epoch")
+        for loader in as_list(val):
             checks.reiterable(
                 loader, "val_dataloaders", passes="in the sanity check and at every validation"
             )
-
-        resume = self._resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
-        meta = read_meta(resume) if resume else None
-        skip = 0
+        path = self._resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
+        meta = read_meta(path) if path else None
         if meta is not None:
-            self._adopt_log_dir(meta.get("log_dir"))
-            progress = meta["progress"]
-            self.current_epoch, skip = progress["epoch"], progress["batch"]
-            self.global_step = progress["global_step"]
+            self._reporter.resume_in(meta.get("log_dir"))
+        skip = resume.start_from(meta, self._progress)
         # A fresh run always builds its state, even to train 0 steps (max_steps=0
         # initialises the module); one that continues a run may have nothing left.
-        continues = resume is not None or self._state is not None
-        finished = self._finished(train_dataloaders, skip) if continues else ""
-        if finished:
-            self._nothing_left(module, resume, finished)
-            return
+        if path is not None or self._program.started:
+            per_epoch = self._pipeline.train_batches_per_epoch(train)
+            reason = resume.nothing_left(self._progress, self.schedule, per_epoch, skip)
+            if reason:
+                if path is not None:  # the module's variables will be the checkpoint's
+                    self._program.forget(module)
+                return resume.load_instead(module, path, self._progress, reason)
 
         # Every thread started from here on (prefetching, compiles) is joined on
         # every way out: one still running in XLA when the process exits aborts it.
         with contextlib.ExitStack() as threads:
-            batches: Batches | None = self._epoch_batches(
-                train_dataloaders, self.current_epoch, skip
-            )
+            batches = self._pipeline.train_epoch(train, self.current_epoch, skip)
             threads.callback(batches.close)
-            example = batches.first or self._first_batch(train_dataloaders)
-            acc0 = self._start_run(module, tx, example, resume, meta, threads)
-            self._progress = (self.current_epoch, skip)
-            self._fit_loop(module, train_dataloaders, val_dataloaders, batches, skip, acc0)
-        module.variables = self.strategy.unreplicate(self._state).variables
+            example = batches.first or self._pipeline.example_batch(train)
+            self._program.start(module, tx, example, path, threads)
+            if meta is not None:
+                resume.load_states(self._hooks, self.datamodule, module, meta)
+            self._stop.reset()
+            self._progress.position = (self.current_epoch, skip)
+            _ = self.log_dir  # fixes the run directory on every process at once
+            self._fit_loop.run(module, train, val, batches, skip)
+        module.variables = self._program.trained_variables()
         if module._nnx is not None:  # the user's NNX model holds the trained arrays
             module._nnx.update(module.model, module.variables)
-        self._call("on_train_end", module)
-        self._call("on_fit_end", module)
+        self._hooks("on_train_end", module)
+        self._hooks("on_fit_end", module)
 
-    def _fit_loop(
+    # ------------------------------------------------ validate, test, predict
+    def validate(
         self,
         module: JaxModule,
-        train_dataloaders: Iterable[Any],
-        val_dataloaders: Any,
-        batches: Batches | None,
-        skip: int,
-        acc0: TrainMetrics,
-    ) -> None:
-        _ = self.log_dir  # fixes the run directory on every process at once
-        if module.hparams and skip == 0 and self.global_step == 0:
-            for logger in self.loggers:
-                logger.log_hyperparams(module.hparams)
-        epochs = (
-            range(self.current_epoch, self.max_epochs)
-            if self.max_epochs is not None
-            else itertools.count(self.current_epoch)
-        )
-        try:
-            with self._stop_request:
-                self._call("on_fit_start", module)
-                self._sanity_check(module, val_dataloaders)
-                self._call("on_train_start", module)
-                self._fit_started = time.monotonic()
-                for epoch in epochs:
-                    if self._step_limit_reached():
-                        break
-                    self.current_epoch = epoch
-                    if batches is None:
-                        batches = self._epoch_batches(train_dataloaders, epoch, 0)
-                    with batches:
-                        loaders = (train_dataloaders, val_dataloaders)
-                        self._train_epoch(module, loaders, batches, epoch, skip, acc0)
-                    batches, skip = None, 0
-                    if self._stop_signal:
-                        self._stop_on_signal(module)
-                    self._end_train_epoch(acc0)
-                    if self.epoch_completed:
-                        if val_dataloaders is not None and self._validate_at_epoch_end:
-                            self._evaluate("validation", module, val_dataloaders)
-                        self._progress = (epoch + 1, 0)
-                    self._call("on_train_epoch_end", module)
-                    if self.epoch_completed:
-                        self.current_epoch = epoch + 1
-                    if self._stopping():
-                        break
-        except BaseException:
-            # Wind down without letting a second failure (a logger on a full disk,
-            # say) replace the error that stopped the run.
-            with contextlib.suppress(Exception):
-                self._drain()
-            self._finalize_loggers(quiet=True)
-            raise
-        self._drain()
-        self._finalize_loggers()
+        dataloaders: Any = None,
+        *,
+        datamodule: Any = None,
+        ckpt_path: Any = None,
+    ) -> list[dict[str, float]]:
+        """Evaluates ``module`` (its ``validation_step``, else ``eval_step``);
+        returns ``[{"val/...": v}]``, one dict per loader.
 
-    def _train_epoch(
+        Uses the module's trained variables, or those of ``ckpt_path``
+        (``"last"``, ``"best"`` or a checkpoint folder), which it then keeps.
+        ``datamodule=`` takes the loaders from its ``val_dataloader()``.
+        """
+        return self._run_eval_stage("validation", module, dataloaders, datamodule, ckpt_path)
+
+    def test(
         self,
         module: JaxModule,
-        loaders: tuple[Iterable[Any], Any],
-        batches: Batches,
-        epoch: int,
-        skip: int,
-        acc0: TrainMetrics,
-    ) -> None:
-        """One epoch's steps from batch ``skip``; sets `epoch_completed`.
+        dataloaders: Any = None,
+        *,
+        datamodule: Any = None,
+        ckpt_path: Any = None,
+    ) -> list[dict[str, float]]:
+        """Like `validate`, with ``test_step`` (else ``eval_step``) and ``test/`` names."""
+        return self._run_eval_stage("test", module, dataloaders, datamodule, ckpt_path)
 
-        Validations due after a batch (``val_check_interval``) run there, except
-        one due after the epoch's last batch: that one runs at the epoch's end,
-        after its last logging interval is reported, as a once-per-epoch one does.
+    def _run_eval_stage(
+        self, stage: str, module: JaxModule, dataloaders: Any, datamodule: Any, ckpt_path: Any
+    ) -> list[dict[str, float]]:
+        with self._stage("validate" if stage == "validation" else stage, module, datamodule):
+            dataloaders = stage_loaders(stage, dataloaders, datamodule)
+            checks.module_hooks(module, eval_hook(module, stage))
+            _ = self.log_dir  # fixes the run directory on every process at once
+            try:
+                results = self._evaluation.evaluate(stage, module, dataloaders, ckpt_path)
+            except BaseException:
+                self._reporter.finalize(quiet=True)
+                raise
+            self._reporter.finalize()
+            return results
+
+    def predict(
+        self,
+        module: JaxModule,
+        dataloaders: Any = None,
+        *,
+        datamodule: Any = None,
+        ckpt_path: Any = None,
+    ) -> Any:
+        """Runs ``predict_step`` over ``dataloaders`` (with ``ckpt_path``'s variables).
+
+        Returns:
+            The outputs concatenated over batches, padding removed: one row per
+            dataset example, in order (numpy arrays, same pytree structure as
+            ``predict_step``'s output). A list of those for a list of loaders.
         """
-        loader, val_dataloaders = loaders
-        self.epoch_completed = False
-        # The device numbers batches (1-based) as update * k + micro-batch: this
-        # epoch's batch 0 is number offset + 1 (an epoch starts at an update).
-        k = self.step_options.accumulate_grad_batches
-        self._epoch_offset = self.global_step * k + self._micro - skip
-        epoch_batches = self._epoch_batch_count(loader)
-        self.num_training_batches = self._num_batches(loader, skip)
-        self._validate_at_epoch_end = self.schedule.validate_at_epoch_end(epoch, epoch_batches)
-        self._call("on_train_epoch_start", module)
-        # A run resumed from a checkpoint taken after batch `skip` (before any
-        # validation due there) runs that validation first, as the run it continues did.
-        if skip and val_dataloaders is not None:
-            self._validate_after(module, val_dataloaders, epoch, skip, epoch_batches)
-        for batch_idx, batch in enumerate(batches, start=skip):
-            if self._stop_signal or self._step_limit_reached() or self._stopping():
-                self.should_stop = True
-                return
-            self._call("on_train_batch_start", module, batch_idx)
-            self._state, self._acc = self._train_step(
-                self._state, self._acc, batch.data, batch.mask
-            )
-            self._throttle(self._acc)
-            self.train_samples_seen += batch.host.real
-            updated = self._count_update()
-            self._progress = (epoch, batch_idx + 1)
-            at_report = updated and self.global_step % self.log_every_n_steps == 0
-            if at_report:
-                self._report_train(acc0)
-            self._stop_signal = self._agreed_signal(at_report)
-            self._call("on_train_batch_end", module, batch_idx)
-            if self._agreed_time_up(at_report):
-                self._time_up = self.should_stop = True
-            if val_dataloaders is not None and not self._stop_signal:  # else after resuming
-                self._validate_after(module, val_dataloaders, epoch, batch_idx + 1, epoch_batches)
-        self.epoch_completed = True
-        if self._micro:  # an epoch ending between two updates updates with what it has
-            self._state = self._flush(self._state)
-            self._micro = 0
-            self.global_step += 1
-
-    def _agreed_time_up(self, at_report: bool) -> bool:
-        """Whether ``max_time`` has passed, by process 0's clock in a multi-process
-        run (asked at logging intervals, so that every process stops at one step)."""
-        if self.schedule.max_time is None:
-            return False
-        up = self.schedule.time_up(time.monotonic() - self._fit_started)
-        if jax.process_count() == 1:
-            return up
-        return at_report and bool(distributed.broadcast(np.bool_(up)))
-
-    def _count_update(self) -> bool:
-        """Counts a dispatched micro-batch; whether it completed an optimizer update
-        (every ``accumulate_grad_batches`` of them): ``global_step`` counts updates."""
-        self._micro += 1
-        if self._micro < self.step_options.accumulate_grad_batches:
-            return False
-        self._micro = 0
-        self.global_step += 1
-        return True
-
-    def _validate_after(
-        self, module: JaxModule, val_dataloaders: Any, epoch: int, done: int, total: int | None
-    ) -> None:
-        """Validates if ``val_check_interval`` says so after batch ``done`` of the
-        epoch; after its last batch, at the epoch's end instead."""
-        if not self.schedule.validate_after_batch(epoch, done, total, self.global_step):
-            return
-        if done == total:
-            self._validate_at_epoch_end = True
-        else:
-            self._evaluate("validation", module, val_dataloaders)
-
-    def _stopping(self) -> bool:
-        """Whether a requested stop takes effect now: ``should_stop`` waits for
-        ``min_epochs``/``min_steps``; ``max_time`` does not."""
-        if not self.should_stop:
-            return False
-        if self._time_up:
-            return True
-        # current_epoch counts completed epochs (it moves on once one completes)
-        return self.schedule.may_stop(self.current_epoch, self.global_step)
-
-    def _sanity_check(self, module: JaxModule, val_dataloaders: Any) -> None:
-        """A few validation batches before training, results discarded."""
-        if val_dataloaders is None or self.num_sanity_val_steps == 0:
-            return
-        limit = None if self.num_sanity_val_steps < 0 else self.num_sanity_val_steps
-        self._evaluate("validation", module, val_dataloaders, limit=limit, publish=False)
-
-    def _epoch_batches(self, loader: Iterable[Any], epoch: int, skip: int) -> Batches:
-        """Epoch ``epoch``'s training batches from batch ``skip`` on (at most the
-        limited count per epoch; unshuffled with ``overfit_batches``)."""
-        ordered = epoch_loader(
-            loader,
-            epoch=epoch,
-            seed=self.seed,
-            skip_batches=skip,
-            own=self.use_distributed_sampler,
-            rank=jax.process_index(),
-            replicas=jax.process_count(),
-            shuffle=False if self.overfit_batches is not None else None,
-        )
-        total = self._common_total(loader, ordered, skip)
-        per_epoch = self._epoch_batch_count(loader)
-        if self.schedule.limit_train_batches is not None and per_epoch is not None:
-            remaining = max(per_epoch - skip, 0)
-            if total is None:
-                ordered = BatchSlice(ordered, 0, remaining)
-            else:
-                total = min(total, remaining)
-        return self._batches(ordered, "train_dataloaders", allow_empty=skip > 0, total=total)
-
-    def _common_total(self, loader: Any, ordered: Any, skip: int = 0) -> int | None:
-        """The batch count every process runs, in a multi-process run."""
-        processes = jax.process_count()
-        if processes == 1:
-            return None
-        if self.use_distributed_sampler:
-            return common_num_batches(loader, processes, skip)
-        from jax.experimental import multihost_utils
-
-        counts = multihost_utils.process_allgather(np.int64(len(ordered)))
-        if len(set(counts.tolist())) > 1:
-            raise ValueError(
-                f"with use_distributed_sampler=False every process must yield as many "
-                f"batches; the processes' loaders have {counts.tolist()}"
-            )
-        return None
-
-    def _step_limit_reached(self) -> bool:
-        return self.schedule.step_limit_reached(self.global_step)
-
-    def _epoch_batch_count(self, loader: Any) -> int | None:
-        """Training batches per epoch: the loader's (this process's share in a
-        multi-process run), cut by ``limit_train_batches``."""
-        n = self._num_batches_plain(loader)
-        if jax.process_count() > 1 and self.use_distributed_sampler and n is not None:
-            n = common_num_batches(loader, jax.process_count())
-        return self.schedule.batches("train", n)
-
-    def _num_batches(self, loader: Iterable[Any], skip: int = 0) -> int | None:
-        n = self._epoch_batch_count(loader)
-        if n is None:
-            return None
-        n -= skip
-        if self.max_steps >= 0:  # batches left until the last update
-            k = self.step_options.accumulate_grad_batches
-            n = min(n, (self.max_steps - self.global_step) * k - self._micro)
-        return n
-
-    def _fetch(self, tree: Any) -> Any:
-        return jax.device_get(self.strategy.unreplicate(tree))
-
-    def _check_finite(self, acc: TrainMetrics) -> None:
-        bad = int(acc.first_nonfinite)  # the batch's number: update * k + micro-batch
-        if bad and self.stop_on_nonfinite_loss:
-            step = (bad - 1) // self.step_options.accumulate_grad_batches + 1
-            raise NonFiniteLossError(
-                f"the loss is not finite at step {step} (epoch {self.current_epoch}, batch "
-                f"{bad - 1 - self._epoch_offset}); training stopped and no checkpoint of "
-                "it was saved. Lower the learning rate, clip gradients or check that batch; "
-                "Trainer(stop_on_nonfinite_loss=False) trains on regardless"
-            )
-
-    def _report_train(self, acc0: TrainMetrics) -> None:
-        """Reports the values of this logging interval and starts the next one."""
-        acc = self._fetch(self._acc)
-        self._check_finite(acc)
-        self._publish(report("train", self._train_options, acc.metrics, "step"))
-        self._acc = self._acc.replace(metrics=acc0.metrics)
-
-    def _end_train_epoch(self, acc0: TrainMetrics) -> None:
-        """Reports the epoch's last (partial) interval and its ``on_epoch`` values.
-
-        After a complete epoch the accumulators start over: logging intervals
-        never span two epochs. An epoch cut short (``max_steps``, ``should_stop``)
-        keeps them, so that a run resumed from its checkpoint continues them
-        exactly as an uninterrupted run would.
-        """
-        acc = self._fetch(self._acc)
-        self._check_finite(acc)
-        values = report("train", self._train_options, acc.metrics, "step")
-        values.update(report("train", self._train_options, acc.epoch, "epoch"))
-        self._publish(values)
-        if self.epoch_completed:
-            self._acc = acc0
-
-
-def _as_list(loaders: Any) -> list[Any]:
-    if loaders is None:
-        return []
-    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+        with self._stage("predict", module, datamodule):
+            dataloaders = stage_loaders("predict", dataloaders, datamodule)
+            checks.module_hooks(module, "predict_step")
+            return self._evaluation.predict(module, dataloaders, ckpt_path)

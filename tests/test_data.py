@@ -97,7 +97,7 @@ class Counting(Dataset):
 
 
 def test_trainer_order_is_seeded_per_epoch_and_resumes_without_loading_skipped():
-    from jaxlightning.sampling import epoch_loader
+    from jaxlightning.data.sampling import epoch_loader
 
     data = Counting(40)
     user = DataLoader(data, batch_size=8, shuffle=True)
@@ -115,7 +115,7 @@ def test_trainer_order_is_seeded_per_epoch_and_resumes_without_loading_skipped()
 
 
 def test_unowned_loader_is_skipped_by_loading_with_a_warning():
-    from jaxlightning.sampling import epoch_loader
+    from jaxlightning.data.sampling import epoch_loader
 
     batches = [np.full(2, i) for i in range(5)]
     with pytest.warns(UserWarning, match="loading and dropping 2 batches"):
@@ -136,7 +136,7 @@ def test_tensor_dataset_batches_are_fetched_whole_and_equal_per_example_ones(
 ):
     from torch.utils.data import BatchSampler, TensorDataset
 
-    from jaxlightning.sampling import EpochSampler, epoch_loader
+    from jaxlightning.data.sampling import EpochSampler, epoch_loader
 
     x = torch.randn(40, 3)
     ds = TensorDataset(x, torch.arange(40), x.to(torch.bfloat16))
@@ -165,7 +165,7 @@ def test_tensor_dataset_batches_are_fetched_whole_and_equal_per_example_ones(
 def test_whole_batches_keep_a_loaders_own_shuffled_order():
     from torch.utils.data import TensorDataset
 
-    from jaxlightning.sampling import whole_batches
+    from jaxlightning.data.sampling import whole_batches
 
     ds = TensorDataset(torch.arange(30))
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import jaxlightning as jl
 from jaxlightning import checks, compiling
-from jaxlightning import startup as startup_module
+from jaxlightning.loop import program as startup_module
 from tests.helpers import (
     LitMLP,
     digits,

@@ -10,3 +10,34 @@ from jaxlightning.callbacks.monitors import ModelSummary as ModelSummary
 from jaxlightning.callbacks.monitors import ThroughputMonitor as ThroughputMonitor
 from jaxlightning.callbacks.monitors import Timer as Timer
 from jaxlightning.callbacks.progress import TQDMProgressBar as TQDMProgressBar
+from jaxlightning.callbacks.view import TrainerView as TrainerView
+
+
+def with_defaults(
+    callbacks: list[Callback],
+    *,
+    checkpointing: bool,
+    progress_bar: bool,
+    summary: bool,
+    profiler: str | None,
+) -> list[Callback]:
+    """``callbacks`` with the ones the Trainer adds by default, unless given:
+    a `ModelCheckpoint`, a `TQDMProgressBar` (process 0 only), a `ModelSummary`
+    (first), and a `JaxProfiler` for ``profiler="jax"``."""
+    from jaxlightning import distributed
+
+    def has(kind: type) -> bool:
+        return any(isinstance(c, kind) for c in callbacks)
+
+    callbacks = list(callbacks)
+    if checkpointing and not has(ModelCheckpoint):
+        callbacks.append(ModelCheckpoint())
+    if progress_bar and distributed.is_rank_zero() and not has(TQDMProgressBar):
+        callbacks.append(TQDMProgressBar())
+    if summary and not has(ModelSummary):
+        callbacks.insert(0, ModelSummary())
+    if profiler not in (None, "jax"):
+        raise ValueError(f"profiler={profiler!r}: use 'jax' or None")
+    if profiler == "jax":
+        callbacks.append(JaxProfiler())
+    return callbacks

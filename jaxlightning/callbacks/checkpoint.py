@@ -20,8 +20,8 @@ from jaxlightning.checkpoint import (
 )
 
 if TYPE_CHECKING:
+    from jaxlightning.callbacks.view import TrainerView
     from jaxlightning.module import JaxModule
-    from jaxlightning.trainer import Trainer
 
 
 class ModelCheckpoint(Callback):
@@ -99,7 +99,7 @@ class ModelCheckpoint(Callback):
         self._pending_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ locations
-    def resolve_dirpath(self, trainer: Trainer) -> str:
+    def resolve_dirpath(self, trainer: TrainerView) -> str:
         if self.dirpath is None:
             root = trainer.log_dir or trainer.default_root_dir
             self.dirpath = os.path.join(root, "checkpoints")
@@ -109,7 +109,7 @@ class ModelCheckpoint(Callback):
         return os.path.join(os.path.abspath(self.dirpath or ""), str(step))
 
     # ----------------------------------------------------------------- hooks
-    def on_fit_start(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_fit_start(self, trainer: TrainerView, module: JaxModule) -> None:
         dirpath = self.resolve_dirpath(trainer)
         if self._pending_state is not None:
             self._adopt(self._pending_state)
@@ -118,7 +118,7 @@ class ModelCheckpoint(Callback):
         self._open(trainer)
         self._last_save_time = time.monotonic()
 
-    def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:
         if self._writer is not None and self._pending is not None and not self._writer.saving:
             self._commit()  # a failed save surfaces here, at the next step boundary
         n = self.every_n_train_steps
@@ -126,21 +126,21 @@ class ModelCheckpoint(Callback):
         elapsed = time.monotonic() - self._last_save_time
         timed = self.train_time_interval is not None and elapsed >= self.train_time_interval
         if self.train_time_interval is not None:
-            timed = bool(distributed.broadcast(np.bool_(timed)))  # every process saves together
+            timed = distributed.agree(timed)  # every process saves together
         if due or timed:
             self.save(trainer, module)
 
-    def on_train_epoch_end(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, module: JaxModule) -> None:
         n = self.every_n_epochs
         if n is not None and trainer.epoch_completed and (trainer.current_epoch + 1) % n == 0:
             self.save(trainer, module)
 
-    def on_fit_end(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_fit_end(self, trainer: TrainerView, module: JaxModule) -> None:
         if self.save_last and self._latest_step() != trainer.global_step:
             self.save(trainer, module)
         self.finish(prune=True)
 
-    def teardown(self, trainer: Trainer, module: JaxModule, stage: str) -> None:
+    def teardown(self, trainer: TrainerView, module: JaxModule, stage: str) -> None:
         # After on_fit_end this finds nothing to do. When fit is failing, a failed
         # pending save is reported as a warning (the first error is the one to
         # see), and only complete checkpoints take part in pruning.
@@ -152,7 +152,7 @@ class ModelCheckpoint(Callback):
             warnings.warn(str(exc), stacklevel=2)
 
     # ------------------------------------------------------------- saving
-    def _open(self, trainer: Trainer) -> CheckpointWriter:
+    def _open(self, trainer: TrainerView) -> CheckpointWriter:
         if self._writer is None:
             self._writer = CheckpointWriter(
                 self.resolve_dirpath(trainer), async_save=self.async_save
@@ -184,7 +184,7 @@ class ModelCheckpoint(Callback):
             return self._pending["step"]
         return self._records[-1]["step"] if self._records else None
 
-    def _score(self, trainer: Trainer) -> float | None:
+    def _score(self, trainer: TrainerView) -> float | None:
         if self.monitor is None:
             return None
         value = trainer.callback_metrics.get(self.monitor)
@@ -198,7 +198,7 @@ class ModelCheckpoint(Callback):
             )
         return value
 
-    def save(self, trainer: Trainer, module: JaxModule, *, resume_point: bool = False) -> str:
+    def save(self, trainer: TrainerView, module: JaxModule, *, resume_point: bool = False) -> str:
         """Saves a checkpoint of the run now (once per step) and returns its folder.
 
         Returns ``""`` when the policy would not keep it (not among the top k

@@ -9,8 +9,8 @@ from jaxlightning import distributed
 from jaxlightning.callbacks.base import Callback
 
 if TYPE_CHECKING:
+    from jaxlightning.callbacks.view import TrainerView
     from jaxlightning.module import JaxModule
-    from jaxlightning.trainer import Trainer
 
 
 class EarlyStopping(Callback):
@@ -75,15 +75,15 @@ class EarlyStopping(Callback):
     def _better(self, value: float, than: float) -> bool:
         return value < than if self.mode == "min" else value > than
 
-    def on_validation_end(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_validation_end(self, trainer: TrainerView, module: JaxModule) -> None:
         if not self.check_on_train_epoch_end and trainer.stage == "fit":
             self._check(trainer)
 
-    def on_train_epoch_end(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, module: JaxModule) -> None:
         if self.check_on_train_epoch_end and trainer.epoch_completed:
             self._check(trainer)
 
-    def _check(self, trainer: Trainer) -> None:
+    def _check(self, trainer: TrainerView) -> None:
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
             if self.strict:

@@ -10,8 +10,8 @@ import optax
 from jaxlightning.callbacks.base import Callback
 
 if TYPE_CHECKING:
+    from jaxlightning.callbacks.view import TrainerView
     from jaxlightning.module import JaxModule
-    from jaxlightning.trainer import Trainer
 
 
 class EmaState(NamedTuple):
@@ -71,12 +71,12 @@ class EMA(Callback):
     def _ema_params(opt_state: Any) -> Any:
         return opt_state[-1].ema
 
-    def evaluation_variables(self, trainer: Trainer, variables: dict[str, Any]) -> dict[str, Any]:
+    def evaluation_variables(self, trainer: TrainerView, state: Any) -> dict[str, Any]:
         if not self.validate_with_ema or trainer.stage != "fit":
-            return variables
-        return {**variables, "params": self._ema_params(trainer._state.opt_state)}
+            return state.variables
+        return {**state.variables, "params": self._ema_params(state.opt_state)}
 
-    def on_fit_end(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_fit_end(self, trainer: TrainerView, module: JaxModule) -> None:
         state = trainer.state
         self.ema_variables = jax.device_get(
             {**state.variables, "params": self._ema_params(state.opt_state)}

@@ -11,8 +11,8 @@ import numpy as np
 from jaxlightning.callbacks.base import Callback
 
 if TYPE_CHECKING:
+    from jaxlightning.callbacks.view import TrainerView
     from jaxlightning.module import JaxModule
-    from jaxlightning.trainer import Trainer
 
 
 def injected_rates(opt_state: Any) -> dict[str, float]:
@@ -65,7 +65,7 @@ class LearningRateMonitor(Callback):
         self.logging_interval, self.schedule, self.name = logging_interval, schedule, name
         self._logged_at = -1
 
-    def _rates(self, trainer: Trainer, module: JaxModule) -> dict[str, float]:
+    def _rates(self, trainer: TrainerView, module: JaxModule) -> dict[str, float]:
         if self.schedule is not None:  # the rate of the update that made global_step
             return {"": float(self.schedule(max(trainer.global_step - 1, 0)))}
         rates = injected_rates(trainer.state.opt_state)
@@ -77,7 +77,7 @@ class LearningRateMonitor(Callback):
             )
         return rates
 
-    def _log(self, trainer: Trainer, module: JaxModule) -> None:
+    def _log(self, trainer: TrainerView, module: JaxModule) -> None:
         if trainer.global_step == self._logged_at or trainer.global_step == 0:
             return
         self._logged_at = trainer.global_step
@@ -85,10 +85,10 @@ class LearningRateMonitor(Callback):
         for where, rate in self._rates(trainer, module).items():
             module.log(f"{base}/{where}" if where else base, rate)
 
-    def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:
         if self.logging_interval == "step" and trainer.global_step % trainer.log_every_n_steps == 0:
             self._log(trainer, module)
 
-    def on_train_epoch_end(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, module: JaxModule) -> None:
         if self.logging_interval == "epoch":
             self._log(trainer, module)

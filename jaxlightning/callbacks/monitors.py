@@ -7,7 +7,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import jax
-import numpy as np
 from clu import parameter_overview
 
 from jaxlightning import distributed
@@ -15,8 +14,8 @@ from jaxlightning.callbacks.base import Callback
 from jaxlightning.schedule import parse_max_time
 
 if TYPE_CHECKING:
+    from jaxlightning.callbacks.view import TrainerView
     from jaxlightning.module import JaxModule
-    from jaxlightning.trainer import Trainer
 
 
 class ModelSummary(Callback):
@@ -35,7 +34,7 @@ class ModelSummary(Callback):
         self.max_lines = max_lines
         self.summary = ""
 
-    def on_fit_start(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_fit_start(self, trainer: TrainerView, module: JaxModule) -> None:
         if not distributed.is_rank_zero():
             return
         shapes = jax.eval_shape(lambda state: state.params, trainer.state)
@@ -60,10 +59,10 @@ class Timer(Callback):
         self._elapsed: dict[str, float] = {}
         self._started: dict[str, float] = {}
 
-    def setup(self, trainer: Trainer, module: JaxModule, stage: str) -> None:
+    def setup(self, trainer: TrainerView, module: JaxModule, stage: str) -> None:
         self._started[stage] = time.monotonic()
 
-    def teardown(self, trainer: Trainer, module: JaxModule, stage: str) -> None:
+    def teardown(self, trainer: TrainerView, module: JaxModule, stage: str) -> None:
         self._elapsed[stage] = self.time_elapsed(stage)
         self._started.pop(stage, None)
 
@@ -76,15 +75,12 @@ class Timer(Callback):
         """Seconds left of ``duration`` for `fit` (``None`` without one)."""
         return None if self.duration is None else max(self.duration - self.time_elapsed(), 0.0)
 
-    def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:
         if self.duration is None:
             return
-        up = self.time_remaining() == 0.0
-        if jax.process_count() > 1:  # every process stops at one step: process 0's clock
-            if trainer.global_step % trainer.log_every_n_steps:
-                return
-            up = bool(distributed.broadcast(np.bool_(up)))
-        if up:
+        # every process stops at one step: process 0's clock, at logging intervals
+        at_sync = trainer.global_step % trainer.log_every_n_steps == 0
+        if distributed.agree(self.time_remaining() == 0.0, at_sync=at_sync):
             trainer.should_stop = True
 
     def state_dict(self) -> dict[str, Any]:
@@ -113,14 +109,14 @@ class ThroughputMonitor(Callback):
         if event == "/jax/core/compile/backend_compile_duration":
             self._compile += duration
 
-    def on_fit_start(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_fit_start(self, trainer: TrainerView, module: JaxModule) -> None:
         if not self._listening:
             jax.monitoring.register_event_duration_secs_listener(self._on_event)
             self._listening = True
         self._compile, self._reported_compile = 0.0, False
         self._mark = None
 
-    def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:
         now, step, rows = time.monotonic(), trainer.global_step, trainer.train_samples_seen
         if self._mark is None:  # the first step includes compiling: start after it
             self._mark = (now, step, rows)
@@ -159,13 +155,13 @@ class JaxProfiler(Callback):
         self._tracing = False
         self.trace_dir = ""
 
-    def _stop(self, trainer: Trainer) -> None:
+    def _stop(self, trainer: TrainerView) -> None:
         if self._tracing:
-            jax.block_until_ready(trainer._state)  # the traced steps' device work
+            jax.block_until_ready(trainer.state)  # waits for the traced steps (a copy of theirs)
             jax.profiler.stop_trace()
             self._tracing = False
 
-    def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:
         step = trainer.global_step
         if step == self.start_step and not self._tracing and not self.trace_dir:
             root = self.dirpath or trainer.log_dir or trainer.default_root_dir
@@ -176,6 +172,6 @@ class JaxProfiler(Callback):
         elif self._tracing and step >= self.start_step + self.num_steps:
             self._stop(trainer)
 
-    def teardown(self, trainer: Trainer, module: JaxModule, stage: str) -> None:
+    def teardown(self, trainer: TrainerView, module: JaxModule, stage: str) -> None:
         if stage == "fit":
             self._stop(trainer)

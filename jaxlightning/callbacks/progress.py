@@ -10,8 +10,8 @@ from tqdm.auto import tqdm
 from jaxlightning.callbacks.base import Callback
 
 if TYPE_CHECKING:
+    from jaxlightning.callbacks.view import TrainerView
     from jaxlightning.module import JaxModule
-    from jaxlightning.trainer import Trainer
 
 
 class _SteadyTqdm(tqdm):
@@ -57,13 +57,13 @@ class TQDMProgressBar(Callback):
         self._eval_bar: _SteadyTqdm | None = None
         self._shown: object = None
 
-    def _postfix(self, trainer: Trainer, bar: _SteadyTqdm) -> None:
+    def _postfix(self, trainer: TrainerView, bar: _SteadyTqdm) -> None:
         metrics = trainer.progress_bar_metrics
         if metrics is not self._shown:
             self._shown = metrics
             bar.set_postfix({k: _fmt(v) for k, v in metrics.items()}, refresh=False)
 
-    def on_train_epoch_start(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_train_epoch_start(self, trainer: TrainerView, module: JaxModule) -> None:
         self._bar = _SteadyTqdm(
             total=trainer.num_training_batches,
             desc=f"Epoch {trainer.current_epoch}",
@@ -76,18 +76,18 @@ class TQDMProgressBar(Callback):
         )
         self._shown = trainer.progress_bar_metrics
 
-    def on_train_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:
         if self._bar is not None:
             self._postfix(trainer, self._bar)
             self._bar.update(1)
 
-    def on_train_epoch_end(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, module: JaxModule) -> None:
         if self._bar is not None:
             self._postfix(trainer, self._bar)
             self._bar.close()
             self._bar = None
 
-    def _eval_start(self, trainer: Trainer, desc: str) -> None:
+    def _eval_start(self, trainer: TrainerView, desc: str) -> None:
         self._eval_bar = _SteadyTqdm(
             total=trainer.num_eval_batches,
             desc=desc,
@@ -105,29 +105,31 @@ class TQDMProgressBar(Callback):
             self._eval_bar.close()
             self._eval_bar = None
 
-    def on_validation_start(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_validation_start(self, trainer: TrainerView, module: JaxModule) -> None:
         self._eval_start(trainer, "Validation")
 
-    def on_validation_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
+    def on_validation_batch_end(
+        self, trainer: TrainerView, module: JaxModule, batch_idx: int
+    ) -> None:
         self._eval_batch()
 
-    def on_validation_end(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_validation_end(self, trainer: TrainerView, module: JaxModule) -> None:
         self._eval_end()
 
-    def on_test_start(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_test_start(self, trainer: TrainerView, module: JaxModule) -> None:
         self._eval_start(trainer, "Test")
 
-    def on_test_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
+    def on_test_batch_end(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:
         self._eval_batch()
 
-    def on_test_end(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_test_end(self, trainer: TrainerView, module: JaxModule) -> None:
         self._eval_end()
 
-    def on_predict_start(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_predict_start(self, trainer: TrainerView, module: JaxModule) -> None:
         self._eval_start(trainer, "Predict")
 
-    def on_predict_batch_end(self, trainer: Trainer, module: JaxModule, batch_idx: int) -> None:
+    def on_predict_batch_end(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:
         self._eval_batch()
 
-    def on_predict_end(self, trainer: Trainer, module: JaxModule) -> None:
+    def on_predict_end(self, trainer: TrainerView, module: JaxModule) -> None:
         self._eval_end()

@@ -1,5 +1,9 @@
 """Strategies: how the per-device program is laid over the local devices."""
 
+from collections.abc import Sequence
+
+import jax
+
 from jaxlightning.strategies.base import Strategy as Strategy
 from jaxlightning.strategies.mesh import FSDPStrategy as FSDPStrategy
 from jaxlightning.strategies.mesh import ModelParallelStrategy as ModelParallelStrategy
@@ -29,3 +33,32 @@ def resolve_strategy(strategy: str | Strategy) -> Strategy:
             f"strategy={strategy!r} is not known; use one of {sorted(_BY_NAME)} or a "
             "Strategy instance"
         ) from None
+
+
+def resolve_devices(devices: int | str | Sequence[jax.Device]) -> list[jax.Device]:
+    """The devices of ``Trainer(devices=...)``: ``"auto"`` (every local device;
+    in a multi-process run every device of the job), a count, or a list."""
+    local = jax.local_devices()
+    if jax.process_count() > 1:
+        if devices not in ("auto", len(local)):
+            raise ValueError(
+                f"devices={devices!r} in a {jax.process_count()}-process run: each process "
+                f"uses all of its {len(local)} local devices; use devices='auto'"
+            )
+        return jax.devices()
+    if devices == "auto":
+        return local
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        if not 1 <= devices <= len(local):
+            raise ValueError(
+                f"devices={devices} but this process has {len(local)} local "
+                f"{local[0].platform} device(s). Use devices='auto' or a count up to "
+                f"{len(local)}; on a CPU-only machine, simulate N devices by setting "
+                "XLA_FLAGS=--xla_force_host_platform_device_count=N before jax is imported"
+            )
+        return local[:devices]
+    if isinstance(devices, Sequence) and all(isinstance(d, jax.Device) for d in devices):
+        if not devices:
+            raise ValueError("devices=[]: give at least one device, a count, or 'auto'")
+        return list(devices)
+    raise ValueError(f"devices={devices!r}: use 'auto', a count, or a list of jax devices")

@@ -32,11 +32,19 @@ class Strategy(abc.ABC):
         `gather(tree)` gives a sharded output back as host arrays with the global
         leading dimension.
 
-    A strategy that shards the train state (``shards_state``) also decides its
-    layout before it is built (`plan`), places it (`place_state`), compiles the
-    train step from its two parts (`compile_train`, with `reduce_grads`) and
-    hands checkpoints its arrays as they are (`checkpoint_arrays`); the data
-    parallel defaults of these replicate and compose the parts per device.
+    Laying out the train state (what a state-sharding strategy overrides; the
+    defaults replicate it, as data parallelism does):
+      * `plan(annotated)` decides the state's layout before it is built, from
+        ``annotated()`` (its abstract shapes with the model's partitioning
+        annotations, computed only if asked for); `plan_variables` the same
+        for flax variables alone (evaluation outside `fit`).
+      * `place_state(tree)` / `place_variables(tree, annotated)` put a built
+        state or variables where the steps expect them.
+      * `compile_train(parts)` compiles the automatic train step from its
+        `TrainStepParts` (``reduce_grads`` says how gradients are summed);
+        `compile_manual(fn)` a manual-optimization step; `compile_global(fn)`
+        a ``state -> state`` function.
+      * `checkpoint_arrays(tree)` is what a checkpoint writes of the state.
 
     Attributes:
         max_in_flight: the most steps the Trainer dispatches before waiting for
@@ -51,7 +59,6 @@ class Strategy(abc.ABC):
 
     name: str = "base"
     axis_name: str = AXIS
-    shards_state: bool = False  # whether the train state is split, not replicated
 
     def __init__(self, *, max_in_flight: int = 2, prefetch_depth: int | None = None) -> None:
         if max_in_flight < 1:
@@ -92,39 +99,44 @@ class Strategy(abc.ABC):
         device along the data axis)."""
         return self.num_local_devices
 
-    def plan(self, abstract_state: Any) -> Any:
-        """Decides the layout of the train state from its abstract shapes, before
-        it is built; returns the shardings to build it with (``None``: built
-        on one device, then `place_state`)."""
+    def plan(self, annotated: Callable[[], Any]) -> Any:
+        """The shardings to build the train state with, decided from
+        ``annotated()``; ``None``: built on one device, then `place_state`."""
+        return None
+
+    def plan_variables(self, annotated: Callable[[], Any]) -> Any:
+        """Like `plan`, for flax variables alone."""
         return None
 
     def place_state(self, tree: Any) -> Any:
-        """Puts the train state (or the variables) where the steps expect it."""
+        """Puts the train state where the steps expect it."""
+        return self.replicate(tree)
+
+    def place_variables(self, tree: Any, annotated: Callable[[], Any]) -> Any:
+        """Puts flax variables where the evaluation steps expect them."""
         return self.replicate(tree)
 
     def checkpoint_arrays(self, tree: Any) -> Any:
         """What a checkpoint writes of the placed state: host arrays, one copy."""
         return jax.device_get(self.unreplicate(tree))
 
-    def compile_train(self, parts: Any, view: Callable[[Any], Any]) -> Callable[..., Any]:
-        """Compiles the automatic train step from its `TrainStepParts`."""
-        del view  # the per-device composition takes the view itself
-        return self.compile(
-            parts.per_device(),
-            sharded_args=(False, False, True, True),
-            sharded_out=(False, False),
-            donate_argnums=(0,),
-        )
-
-    def compile_manual(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Compiles a per-device manual-optimization train step
-        ``(state, acc, batch, mask) -> (state, acc)``."""
+    def _compile_step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A per-device ``(state, acc, batch, mask) -> (state, acc)``, compiled."""
         return self.compile(
             fn,
             sharded_args=(False, False, True, True),
             sharded_out=(False, False),
             donate_argnums=(0,),
         )
+
+    def compile_train(self, parts: Any) -> Callable[..., Any]:
+        """Compiles the automatic train step from its `TrainStepParts`."""
+        return self._compile_step(parts.per_device())
+
+    def compile_manual(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Compiles a per-device manual-optimization train step
+        ``(state, acc, batch, mask) -> (state, acc)``."""
+        return self._compile_step(fn)
 
     def compile_global(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """Compiles ``state -> state`` (the same on every device)."""
@@ -168,7 +180,8 @@ class Strategy(abc.ABC):
 
     def precompile(self, compiled: Callable[..., Any], *example: Any) -> Callable[..., Any]:
         """Starts compiling ``compiled`` (from `compile`) for ``example`` arguments
-        ahead of its first call, where the strategy can; returns what to call."""
+        ahead of its first call, where the strategy can; returns what to call
+        (by default ``compiled`` itself: it compiles at its first call)."""
         return compiled
 
     def __repr__(self) -> str:

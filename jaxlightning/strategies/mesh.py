@@ -29,7 +29,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlightning.strategies.shard_map import ShardMapStrategy
+from jaxlightning.step import gradient_view
+from jaxlightning.strategies.shard_map import ShardMapStrategy, per_device, spec
 
 MODEL_AXIS = "model"
 _SHARDED_PARTS = ("params", "opt_state", "grad_sum")
@@ -61,7 +62,6 @@ class MeshStrategy(ShardMapStrategy):
     """
 
     name = "mesh"
-    shards_state = True
 
     def __init__(self, *, model: int = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -105,23 +105,27 @@ class MeshStrategy(ShardMapStrategy):
         """The `PartitionSpec` of one state leaf (``path``: slash-joined keys)."""
         raise NotImplementedError
 
-    def plan(self, abstract_state: Any) -> Any:
+    def plan(self, annotated: Callable[[], Any]) -> Any:
         """Records (and returns) the sharding of every leaf of the train state,
         from its abstract shapes (partitioning annotations still boxed)."""
+        abstract_state = annotated()
         specs = self._specs(abstract_state)
         flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(abstract_state))[0]
-        for (path, leaf), spec in zip(flat, jax.tree.leaves(specs, is_leaf=_is_spec), strict=True):
-            self._check_fits(_path_str(path), leaf.shape, spec)
+        for (path, leaf), spec_ in zip(flat, jax.tree.leaves(specs, is_leaf=_is_spec), strict=True):
+            self._check_fits(_path_str(path), leaf.shape, spec_)
         self._state_shardings = jax.tree.map(
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec
         )
         self._param_specs = specs.params
         return self._state_shardings
 
-    def variables_shardings(self, abstract_variables: Any) -> Any:
+    def plan_variables(self, annotated: Callable[[], Any]) -> Any:
         """Shardings of flax variables alone (evaluation outside `fit`)."""
-        specs = self._specs(abstract_variables, variables=True)
+        specs = self._specs(annotated(), variables=True)
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
+
+    def place_variables(self, tree: Any, annotated: Callable[[], Any]) -> Any:
+        return jax.device_put(tree, self.plan_variables(annotated))
 
     def _specs(self, tree: Any, *, variables: bool = False) -> Any:
         def spec(path: Any, leaf: Any) -> P:
@@ -172,24 +176,20 @@ class MeshStrategy(ShardMapStrategy):
         # Non-batch arguments enter whole (P() over the data axis: sharded
         # parameters are gathered at the boundary); the model axis stays
         # automatic, so tensor-parallel layouts pass through.
-        mapped = self._per_device(fn, tuple(self._spec(s) for s in sharded_args), sharded_out)
+        axis = self.axis_name
+        mapped = self._per_device(
+            fn,
+            tuple(spec(s, axis) for s in sharded_args),
+            jax.tree.map(lambda s: spec(s, axis), sharded_out),
+        )
         return jax.jit(mapped, donate_argnums=donate_argnums)
 
-    def _spec(self, sharded: bool) -> P:
-        return P(self.axis_name) if sharded else P()
-
-    def _per_device(self, fn: Callable[..., Any], in_specs: Any, out: Any) -> Callable[..., Any]:
-        out_specs = jax.tree.map(self._spec, out) if _all_bools(out) else out
-        return jax.shard_map(
-            fn,
-            mesh=self.mesh,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            axis_names={self.axis_name},
-            check_vma=False,
+    def _per_device(self, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Any:
+        return per_device(
+            fn, self.mesh, in_specs, out_specs, manual_axes=frozenset({self.axis_name})
         )
 
-    def compile_train(self, parts: Any, view: Callable[[Any], Any]) -> Callable[..., Any]:
+    def compile_train(self, parts: Any) -> Callable[..., Any]:
         """The train step: per-device gradients, then one sharded update."""
         gradients = self._per_device(
             parts.gradients,
@@ -198,7 +198,7 @@ class MeshStrategy(ShardMapStrategy):
         )
 
         def jl_sharded_train_step(state, acc, batch, mask):
-            return parts.apply(state, acc, *gradients(view(state), batch, mask))
+            return parts.apply(state, acc, *gradients(gradient_view(state), batch, mask))
 
         return jax.jit(
             jl_sharded_train_step,
@@ -223,6 +223,9 @@ class MeshStrategy(ShardMapStrategy):
         return P()
 
     def precompile(self, compiled: Callable[..., Any], *example: Any) -> Callable[..., Any]:
+        # No compile ahead: the example arguments are unplaced shapes, while the
+        # step is called with the planned layout, so a program compiled ahead
+        # for them would be thrown away at the first call.
         return compiled
 
     def __repr__(self) -> str:
@@ -231,10 +234,6 @@ class MeshStrategy(ShardMapStrategy):
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
-
-
-def _all_bools(tree: Any) -> bool:
-    return all(isinstance(x, bool) for x in jax.tree.leaves(tree))
 
 
 class FSDPStrategy(MeshStrategy):
@@ -354,8 +353,8 @@ class ModelParallelStrategy(MeshStrategy):
             specs = nn.logical_to_mesh(specs, self.logical_rules)
         return specs
 
-    def plan(self, abstract_state: Any) -> Any:
-        shardings = super().plan(abstract_state)
+    def plan(self, annotated: Callable[[], Any]) -> Any:
+        shardings = super().plan(annotated)
         split = [s for s in jax.tree.leaves(self._param_specs, is_leaf=_is_spec) if s != P()]
         if not split:
             warnings.warn(

@@ -14,6 +14,40 @@ from jaxlightning.compiling import Precompiled
 from jaxlightning.strategies.base import Strategy
 
 
+def spec(sharded: bool, axis: str) -> P:
+    """The `PartitionSpec` of a value split along its leading axis over ``axis``,
+    or (``sharded=False``) of one that every device has whole."""
+    return P(axis) if sharded else P()
+
+
+def per_device(
+    fn: Callable[..., Any],
+    mesh: Mesh,
+    in_specs: tuple[P, ...],
+    out_specs: Any,
+    *,
+    manual_axes: frozenset[str] | None = None,
+) -> Callable[..., Any]:
+    """``fn`` run per device by `jax.shard_map` over ``mesh``: the one place the
+    strategies build their SPMD functions.
+
+    Args:
+        manual_axes: the mesh axes ``fn`` is written per device over (``None``:
+            all); the others stay automatic, partitioned by XLA.
+    """
+    kwargs = {} if manual_axes is None else {"axis_names": set(manual_axes)}
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        # Off: with it on, grad of replicated params would be psum'd implicitly;
+        # the step functions reduce explicitly, as under pmap.
+        check_vma=False,
+        **kwargs,
+    )
+
+
 class ShardMapStrategy(Strategy):
     """Data parallel with `jax.jit(jax.shard_map(...))`.
 
@@ -70,17 +104,12 @@ class ShardMapStrategy(Strategy):
         sharded_out: Any,
         donate_argnums: tuple[int, ...] = (),
     ) -> Callable[..., Any]:
-        def spec(sharded: bool) -> P:
-            return P(self.axis_name) if sharded else P()
-
-        mapped = jax.shard_map(
+        axis = self.axis_name
+        mapped = per_device(
             fn,
-            mesh=self.mesh,
-            in_specs=tuple(spec(s) for s in sharded_args),
-            out_specs=jax.tree.map(spec, sharded_out),
-            # Off: with it on, grad of replicated params would be psum'd implicitly;
-            # the step functions reduce explicitly, as under pmap.
-            check_vma=False,
+            self.mesh,
+            tuple(spec(s, axis) for s in sharded_args),
+            jax.tree.map(lambda s: spec(s, axis), sharded_out),
         )
         shardings = tuple(self._sharded if s else self._replicated for s in sharded_args)
         return jax.jit(mapped, in_shardings=shardings, donate_argnums=donate_argnums)

@@ -92,3 +92,28 @@ def prepare(datamodule: Any, stage: str) -> None:
     distributed.broadcast(np.int32(0))  # the others wait for the files
     if hasattr(datamodule, "setup"):
         datamodule.setup(stage)
+
+
+def stage_loaders(stage: str, dataloaders: Any, datamodule: Any) -> Any:
+    """The loaders of a ``validate``/``test``/``predict`` call: given, or the
+    datamodule's (not both)."""
+    if datamodule is None:
+        if dataloaders is None:
+            raise TypeError(f"{stage} needs dataloaders (or datamodule=...)")
+        return dataloaders
+    if dataloaders is not None:
+        raise ValueError(f"pass either dataloaders or datamodule= to {stage}, not both")
+    return loaders(datamodule, stage, required=True)
+
+
+def fit_loaders(train: Any, val: Any, datamodule: Any) -> tuple[Any, Any]:
+    """The training and validation loaders of a ``fit`` call: given, or the
+    datamodule's (not both)."""
+    if datamodule is not None:
+        if train is not None or val is not None:
+            raise ValueError("pass either dataloaders or datamodule= to fit, not both")
+        train = loaders(datamodule, "train", required=True)
+        val = loaders(datamodule, "validation", required=False)
+    if train is None:
+        raise TypeError("fit needs train_dataloaders (or datamodule=...)")
+    return train, val

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import multiprocessing
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -27,7 +28,7 @@ from torch.utils.data import (
     default_collate,
 )
 
-from jaxlightning.data import loader_batch_size
+from jaxlightning.data.convert import loader_batch_size
 
 
 class EpochSampler(Sampler[int]):
@@ -86,7 +87,7 @@ class EpochSampler(Sampler[int]):
         return max(len(range(self.rank, self.num_samples, self.replicas)) - self.start, 0)
 
 
-def _ownable(loader: Any) -> bool:
+def ownable(loader: Any) -> bool:
     """Whether the Trainer can rebuild ``loader`` around its own sampler."""
     return (
         type(loader) is DataLoader
@@ -97,13 +98,36 @@ def _ownable(loader: Any) -> bool:
     )
 
 
+def fork_safe_context(num_workers: int) -> str | None:
+    """The start method for DataLoader workers that the user left unset.
+
+    Forking a process in which JAX (and the Trainer's prefetch thread) run
+    threads can deadlock the child, and JAX warns at every fork; a forkserver
+    (or, where there is none, spawn) starts workers from a clean process.
+    """
+    if num_workers == 0:
+        return None
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def make_fork_safe(loader: Any) -> None:
+    """Sets a fork-safe start method on a DataLoader with workers and none chosen
+    (one the Trainer iterates as it is, without rebuilding it)."""
+    if isinstance(loader, DataLoader) and loader.multiprocessing_context is None:
+        context = fork_safe_context(loader.num_workers)
+        if context is not None:
+            loader.multiprocessing_context = context
+
+
 def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
     return {
         "num_workers": loader.num_workers,
         "pin_memory": loader.pin_memory,
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
-        "multiprocessing_context": loader.multiprocessing_context,
+        "multiprocessing_context": (
+            loader.multiprocessing_context or fork_safe_context(loader.num_workers)
+        ),
         "generator": loader.generator,
         "prefetch_factor": loader.prefetch_factor,
         "persistent_workers": loader.persistent_workers,
@@ -159,6 +183,38 @@ def common_num_batches(loader: DataLoader, replicas: int, skip_batches: int = 0)
     return max(count - skip_batches, 0)
 
 
+class OwnedOrder:
+    """A plain DataLoader's epochs in the Trainer's order, one loader for all of them.
+
+    The loader is rebuilt once around an `EpochSampler`; each epoch only re-aims
+    the sampler (its permutation and resume position), so a DataLoader with
+    ``persistent_workers=True`` keeps its worker processes from epoch to epoch.
+    One pass at a time: the caller finishes (or closes) a pass before the next.
+
+    Args:
+        loader: a DataLoader for which `ownable` holds.
+        seed, rank, replicas: as for `EpochSampler`.
+        shuffle: ``None``: shuffle iff the DataLoader does.
+    """
+
+    def __init__(
+        self, loader: DataLoader, *, seed: int, rank: int, replicas: int, shuffle: bool | None
+    ) -> None:
+        if shuffle is None:
+            shuffle = isinstance(loader.sampler, RandomSampler)
+        self.batch_size: int = loader.batch_size  # type: ignore[assignment]
+        self.sampler = EpochSampler(
+            len(loader.dataset), shuffle=shuffle, seed=seed, rank=rank, replicas=replicas
+        )
+        self.loader = whole_batches(_rebuild(loader, self.sampler))
+
+    def epoch(self, epoch: int, skip_batches: int = 0) -> Iterable[Any]:
+        """The loader, aimed at ``epoch`` from batch ``skip_batches`` on."""
+        self.sampler.epoch = epoch
+        self.sampler.start = skip_batches * self.batch_size
+        return self.loader
+
+
 def epoch_loader(
     loader: Iterable[Any],
     *,
@@ -178,19 +234,9 @@ def epoch_loader(
     loaded and dropped, which restores the order only if the loader itself is
     deterministic. ``shuffle=False`` keeps dataset order (``overfit_batches``).
     """
-    if own and _ownable(loader):
-        if shuffle is None:
-            shuffle = isinstance(loader.sampler, RandomSampler)
-        sampler = EpochSampler(
-            len(loader.dataset),
-            shuffle=shuffle,
-            seed=seed,
-            epoch=epoch,
-            start=skip_batches * loader.batch_size,
-            rank=rank,
-            replicas=replicas,
-        )
-        return whole_batches(_rebuild(loader, sampler))
+    if own and ownable(loader):
+        order = OwnedOrder(loader, seed=seed, rank=rank, replicas=replicas, shuffle=shuffle)
+        return order.epoch(epoch, skip_batches)
     if replicas > 1 and own:
         raise ValueError(
             f"a multi-process run needs each process to read only its share; the Trainer "
@@ -215,7 +261,7 @@ def in_dataset_order(loader: Any) -> Any:
     A plain DataLoader that shuffles is rebuilt with a sequential sampler, with
     a warning; other loaders are returned as they are.
     """
-    if _ownable(loader) and isinstance(loader.sampler, RandomSampler):
+    if ownable(loader) and isinstance(loader.sampler, RandomSampler):
         warnings.warn(
             "the predict dataloader shuffles; predict reads it in dataset order instead, "
             "so that output row i belongs to dataset example i (pass shuffle=False to "

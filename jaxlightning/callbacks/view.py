@@ -1,0 +1,79 @@
+"""What callbacks see of the Trainer: a read-only view (plus ``should_stop``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from jaxlightning.loggers import Logger
+    from jaxlightning.module import JaxModule
+    from jaxlightning.state import TrainState
+    from jaxlightning.strategies import Strategy
+
+
+class TrainerView(Protocol):
+    """The members of `jaxlightning.Trainer` that callbacks (and a module's
+    ``self.trainer``) may use. Everything is read-only except ``should_stop``,
+    which asks the fit to stop (after ``min_epochs``/``min_steps``).
+
+    Values are host numbers already fetched (free to read) except ``state``,
+    which copies the train state on the devices: read what you need and drop it.
+    """
+
+    should_stop: bool
+
+    @property
+    def stage(self) -> str | None:
+        """``"fit"``, ``"validate"``, ``"test"`` or ``"predict"`` while running."""
+
+    @property
+    def global_step(self) -> int: ...
+    @property
+    def current_epoch(self) -> int: ...
+    @property
+    def epoch_completed(self) -> bool: ...
+    @property
+    def train_samples_seen(self) -> int: ...
+    @property
+    def num_training_batches(self) -> int | None: ...
+    @property
+    def num_eval_batches(self) -> int | None: ...
+    @property
+    def max_epochs(self) -> int | None: ...
+    @property
+    def max_steps(self) -> int: ...
+    @property
+    def estimated_stepping_batches(self) -> float: ...
+    @property
+    def log_every_n_steps(self) -> int: ...
+    @property
+    def callback_metrics(self) -> dict[str, float]: ...
+    @property
+    def logged_metrics(self) -> dict[str, float]: ...
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]: ...
+    @property
+    def state(self) -> TrainState | None: ...
+    @property
+    def strategy(self) -> Strategy: ...
+    @property
+    def num_devices(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def callbacks(self) -> Sequence[Any]: ...
+    @property
+    def logger(self) -> Logger | None: ...
+    @property
+    def loggers(self) -> Sequence[Logger]: ...
+    @property
+    def log_dir(self) -> str | None: ...
+    @property
+    def default_root_dir(self) -> str: ...
+    @property
+    def datamodule(self) -> Any: ...
+
+    def checkpoint_payload(self, module: JaxModule) -> tuple[Any, dict[str, Any]]:
+        """What a checkpoint of the run holds now: arrays and a JSON record."""
+        ...

@@ -1,0 +1,148 @@
+"""Batches prepared ahead: a background thread converts, pads and places them.
+
+`Prefetcher` runs a loader on a worker thread, each item through a ``prepare``
+function (conversion, padding, device placement), so loading and host-to-device
+copies overlap the step; `Batches` is one pass of it with its first batch taken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from jaxlightning.data.convert import HostBatch
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Runs the block with ``n`` torch intra-op threads (``None``: unchanged).
+
+    On the CPU backend XLA's step and torch's batch assembly (a gather or a
+    stack in the loading thread) share the cores; torch's threads then spin
+    against XLA's. One thread is what torch itself gives each DataLoader worker.
+    """
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass(frozen=True)
+class DeviceBatch:
+    host: HostBatch
+    data: Any
+    mask: Any
+
+
+_END = object()
+
+
+class Prefetcher:
+    """Iterates ``loader`` on a background thread, ``depth`` batches ahead.
+
+    ``depth=0`` prepares each batch in the consuming thread instead.
+
+    Each item goes through ``prepare`` (conversion, padding, device placement)
+    on that thread, so loading and host-to-device copies overlap the step.
+    Exceptions are re-raised in the consuming thread. Call `close` (or use it as
+    a context manager) when stopping early.
+    """
+
+    def __init__(self, loader: Iterable[Any], prepare: Callable[[Any], Any], depth: int = 2):
+        self._stop = threading.Event()
+        if depth == 0:  # no thread: prepare each item when it is asked for
+            self._sync: Iterator[Any] | None = (prepare(item) for item in loader)
+            return
+        self._sync = None
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(
+            target=self._work, args=(loader, prepare), daemon=True, name="jl-prefetch"
+        )
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self, loader: Iterable[Any], prepare: Callable[[Any], Any]) -> None:
+        try:
+            for item in loader:
+                if not self._put(prepare(item)):
+                    return
+        except BaseException as exc:  # forwarded to the consumer
+            self._put(exc)
+            return
+        self._put(_END)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._sync is not None:
+            yield from self._sync
+            return
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._sync is None:
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Batches:
+    """One pass of prepared batches from a `Prefetcher`, its first batch taken.
+
+    ``first`` is the first batch (``None`` when there is none), ready before
+    iteration starts: the run sets itself up from its shapes. Iterating yields
+    every batch, ``first`` included, once. `close` stops the prefetch thread
+    whether or not iteration started (a generator's ``finally`` would not run
+    if it never started), and may be called more than once.
+    """
+
+    def __init__(self, prefetcher: Prefetcher) -> None:
+        self._prefetcher = prefetcher
+        self._rest = iter(prefetcher)
+        try:
+            self.first: Any = next(self._rest, None)
+        except BaseException:
+            prefetcher.close()
+            raise
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.first is not None:
+            yield self.first
+            yield from self._rest
+
+    def close(self) -> None:
+        self._prefetcher.close()
+
+    def __enter__(self) -> Batches:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

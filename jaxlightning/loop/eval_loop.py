@@ -1,0 +1,198 @@
+"""The evaluation loop: validation (in fit and on its own), test, prediction and
+the sanity check, with their hooks in Lightning's order."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxlightning.data import Pipeline
+from jaxlightning.loop.hooks import Hooks
+from jaxlightning.loop.program import Program
+from jaxlightning.loop.progress import Progress
+from jaxlightning.loop.reporter import Report, Reporter, report
+from jaxlightning.metrics import LogOptions
+from jaxlightning.module import JaxModule
+from jaxlightning.step import Metrics
+
+_STAGE_PREFIX = {"validation": "val", "test": "test"}
+
+
+def eval_hook(module: JaxModule, stage: str) -> str:
+    """The traced hook evaluating ``stage``: ``validation_step`` or ``test_step``
+    where the module defines it, else ``eval_step``."""
+    specific = {"validation": "validation_step", "test": "test_step"}[stage]
+    return specific if type(module)._overrides(specific) else "eval_step"
+
+
+def as_list(loaders: Any) -> list[Any]:
+    """One loader or a list/tuple of them, as a list (``None``: empty)."""
+    if loaders is None:
+        return []
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+class EvalLoop:
+    """Runs evaluations and predictions over loaders from the pipeline.
+
+    Args:
+        pipeline: the batches of each loader.
+        program: the compiled evaluation steps and the variables they use.
+        hooks: callback and module hooks.
+        reporter: where an evaluation's values go.
+        progress: ``num_eval_batches`` is set here.
+        resolve_checkpoint: turns a ``ckpt_path`` (``"last"``, ``"best"``, a
+            folder) into a checkpoint folder.
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        program: Program,
+        hooks: Hooks,
+        reporter: Reporter,
+        progress: Progress,
+        resolve_checkpoint: Callable[[Any], str],
+    ) -> None:
+        self.pipeline = pipeline
+        self.program = program
+        self.hooks = hooks
+        self.reporter = reporter
+        self.progress = progress
+        self.resolve_checkpoint = resolve_checkpoint
+
+    def evaluate(
+        self,
+        stage: str,
+        module: JaxModule,
+        dataloaders: Any,
+        ckpt_path: Any = None,
+        *,
+        limit: int | None = None,
+        publish: bool = True,
+    ) -> list[dict[str, float]]:
+        """Evaluates every loader; returns their ``val/...`` (or ``test/...``) values.
+
+        With ``publish``, calls the stage's callback hooks and hands the values
+        to the reporter, so they are in ``callback_metrics`` before
+        ``on_<stage>_end`` runs. Without it (the sanity check), only runs the
+        batches (at most ``limit`` per loader) and returns nothing.
+        """
+        loaders = as_list(dataloaders)
+        counts = [self.pipeline.eval_batches(stage, ld, limit) for ld in loaders]
+        self.progress.num_eval_batches = None if None in counts else sum(counts)  # type: ignore[arg-type]
+        if publish:
+            self.hooks(f"on_{stage}_start", module)
+            self.hooks(f"on_{stage}_epoch_start", module)
+        prefix = _STAGE_PREFIX[stage]
+        results, everything = [], Report()
+        for i, loader in enumerate(loaders):
+            suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""
+            checkpoint = ckpt_path if i == 0 else None
+            metrics, options = self._evaluate_loader(
+                stage, module, loader, checkpoint, counts[i], publish
+            )
+            values = report(prefix, options, metrics, "epoch", suffix)
+            results.append(values.values)
+            everything.update(values)
+        if not publish:
+            return []
+        self.reporter.publish(everything)
+        self.hooks(f"on_{stage}_epoch_end", module)
+        self.hooks(f"on_{stage}_end", module)
+        return results
+
+    def _variables(self, module: JaxModule, first: Any, ckpt_path: Any) -> Any:
+        checkpoint = None if ckpt_path is None else self.resolve_checkpoint(ckpt_path)
+        swaps = []
+        for callback in self.hooks.callbacks:  # EMA evaluates with its average
+            swap = getattr(callback, "evaluation_variables", None)
+            if swap is not None:
+                swaps.append(lambda state, swap=swap: swap(self.hooks.view, state))
+        variables, fresh = self.program.eval_variables(module, first, checkpoint, swaps)
+        if fresh:
+            warnings.warn(
+                f"{type(module).__name__} has no trained variables (fit was not run and no "
+                "ckpt_path given): evaluating the freshly initialised model",
+                stacklevel=6,  # the user line calling validate or test
+            )
+        return variables
+
+    def _evaluate_loader(
+        self,
+        stage: str,
+        module: JaxModule,
+        loader: Any,
+        ckpt_path: Any,
+        limit: int | None,
+        publish: bool,
+    ) -> tuple[Metrics, dict[str, LogOptions]]:
+        hook = eval_hook(module, stage)
+        with self.pipeline.eval_pass(loader, f"the {stage} dataloader", limit) as batches:
+            variables = self._variables(module, batches.first, ckpt_path)
+            eval_step, acc, options = self.program.eval_step(module, hook, batches.first, variables)
+            for batch_idx, batch in enumerate(batches):
+                acc = eval_step(variables, acc, batch.data, batch.mask)
+                self.program.throttle(acc)
+                if publish:
+                    self.hooks(f"on_{stage}_batch_end", module, batch_idx)
+            self.program.drain()
+        return self.program.fetch(acc), options
+
+    # ------------------------------------------------------------- predict
+    def predict(self, module: JaxModule, dataloaders: Any, ckpt_path: Any) -> Any:
+        """``predict_step`` outputs, one row per dataset example (a list of
+        those for a list of loaders)."""
+        if isinstance(dataloaders, (list, tuple)):
+            return [
+                self._predict_loader(module, d, ckpt_path if i == 0 else None)
+                for i, d in enumerate(dataloaders)
+            ]
+        return self._predict_loader(module, dataloaders, ckpt_path)
+
+    def _predict_loader(self, module: JaxModule, loader: Any, ckpt_path: Any) -> Any:
+        loader = self.pipeline.predict_loader(loader)
+        limit = self.pipeline.eval_batches("predict", loader)
+        if self.pipeline.schedule.limit_predict_batches is not None and jax.process_count() > 1:
+            raise ValueError(
+                "limit_predict_batches is not supported in a multi-process run (predict "
+                "returns one row per dataset example); limit the dataset instead"
+            )
+        self.progress.num_eval_batches = limit
+        self.hooks("on_predict_start", module)
+        strategy = self.program.strategy
+        with self.pipeline.eval_pass(loader, "the predict dataloader", limit) as batches:
+            variables = self._variables(module, batches.first, ckpt_path)
+            predict_step = self.program.predict_step(module)
+            outputs = []
+            for batch_idx, batch in enumerate(batches):
+                out = predict_step(variables, batch.data, batch.mask)
+                self.program.throttle(out)
+                outputs.append((out, batch.host.real))
+                self.hooks("on_predict_batch_end", module, batch_idx)
+            self.program.drain()
+        self.hooks("on_predict_end", module)
+        if jax.process_count() > 1:
+            return self._assemble(loader, [strategy.gather(o) for o, _ in outputs])
+        rows = [jax.tree.map(lambda x, n=n: x[:n], strategy.gather(o)) for o, n in outputs]
+        return jax.tree.map(lambda *xs: np.concatenate(xs), *rows)
+
+    def _assemble(self, loader: Any, gathered: list[Any]) -> Any:
+        """Every process's rows, back in dataset order (multi-process runs)."""
+        shares = self.pipeline.predict_shares(loader)
+        processes, b = len(shares), loader.batch_size
+        padded = jax.tree.leaves(gathered[0])[0].shape[0] // processes
+
+        def place(*steps: np.ndarray) -> np.ndarray:
+            out = np.empty((len(loader.dataset), *steps[0].shape[1:]), steps[0].dtype)
+            for k, rows in enumerate(steps):
+                for p, share in enumerate(shares):
+                    idx = share[k * b : (k + 1) * b]
+                    out[idx] = rows[p * padded : p * padded + len(idx)]
+            return out
+
+        return jax.tree.map(place, *gathered)

@@ -1,0 +1,241 @@
+"""The fit loop: epochs of training steps, validation when due, reports at
+logging intervals, and the order of the hooks around them."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import signal
+from collections.abc import Iterable
+from typing import Any
+
+from jaxlightning import distributed
+from jaxlightning.callbacks import ModelCheckpoint
+from jaxlightning.data import Batches, Pipeline
+from jaxlightning.loop.eval_loop import EvalLoop
+from jaxlightning.loop.hooks import Hooks
+from jaxlightning.loop.program import Program
+from jaxlightning.loop.progress import Progress
+from jaxlightning.loop.reporter import Reporter, report
+from jaxlightning.loop.stop import StopPolicy
+from jaxlightning.module import JaxModule
+from jaxlightning.schedule import Schedule
+
+
+class FitLoop:
+    """Runs a fit from wherever ``progress`` stands.
+
+    Args:
+        pipeline: the training (and validation) batches.
+        program: runs the steps and holds the state.
+        evaluation: runs validations (and the sanity check).
+        hooks, reporter: as the Trainer's.
+        stop: answers "stop now?".
+        progress: advanced here.
+        schedule: when to validate.
+        log_every_n_steps: report ``train/*`` values every this many updates.
+        num_sanity_val_steps: validation batches run before training (-1: all).
+    """
+
+    def __init__(
+        self,
+        *,
+        pipeline: Pipeline,
+        program: Program,
+        evaluation: EvalLoop,
+        hooks: Hooks,
+        reporter: Reporter,
+        stop: StopPolicy,
+        progress: Progress,
+        schedule: Schedule,
+        log_every_n_steps: int,
+        num_sanity_val_steps: int,
+    ) -> None:
+        self.pipeline = pipeline
+        self.program = program
+        self.evaluation = evaluation
+        self.hooks = hooks
+        self.reporter = reporter
+        self.stop = stop
+        self.progress = progress
+        self.schedule = schedule
+        self.log_every_n_steps = log_every_n_steps
+        self.num_sanity_val_steps = num_sanity_val_steps
+        self.validate_at_epoch_end = False
+
+    def run(
+        self,
+        module: JaxModule,
+        train_loader: Iterable[Any],
+        val_loaders: Any,
+        batches: Batches | None,
+        skip: int,
+    ) -> None:
+        """Trains from epoch ``progress.current_epoch``, batch ``skip`` (its
+        ``batches`` already started), until a limit or a stop."""
+        if module.hparams and skip == 0 and self.progress.global_step == 0:
+            self.reporter.log_hyperparams(module.hparams)
+        max_epochs = self.schedule.max_epochs
+        start = self.progress.current_epoch
+        epochs = range(start, max_epochs) if max_epochs is not None else itertools.count(start)
+        try:
+            with self.stop.watching_signals():
+                self.hooks("on_fit_start", module)
+                self._sanity_check(module, val_loaders)
+                self.hooks("on_train_start", module)
+                self.stop.start_clock()
+                for epoch in epochs:
+                    if self.stop.step_limit_reached():
+                        break
+                    self.progress.current_epoch = epoch
+                    if batches is None:
+                        batches = self.pipeline.train_epoch(train_loader, epoch, 0)
+                    with batches:
+                        self._train_epoch(module, train_loader, val_loaders, batches, epoch, skip)
+                    batches, skip = None, 0
+                    if self.stop.signum:
+                        self._stop_on_signal(module)
+                    self._end_train_epoch()
+                    if self.progress.epoch_completed:
+                        if val_loaders is not None and self.validate_at_epoch_end:
+                            self.evaluation.evaluate("validation", module, val_loaders)
+                        self.progress.position = (epoch + 1, 0)
+                    self.hooks("on_train_epoch_end", module)
+                    if self.progress.epoch_completed:
+                        self.progress.current_epoch = epoch + 1
+                    if self.stop.stopping():
+                        break
+        except BaseException:
+            # Wind down without letting a second failure (a logger on a full disk,
+            # say) replace the error that stopped the run.
+            with contextlib.suppress(Exception):
+                self.program.drain()
+            self.reporter.finalize(quiet=True)
+            raise
+        self.program.drain()
+        self.reporter.finalize()
+
+    def batches_left(self, loader: Any, skip: int = 0) -> int | None:
+        """Batches this epoch runs from batch ``skip``: the epoch's, or fewer
+        when ``max_steps`` comes first."""
+        n = self.pipeline.train_batches_per_epoch(loader)
+        if n is None:
+            return None
+        n -= skip
+        if self.schedule.max_steps >= 0:  # batches left until the last update
+            k = self.program.options.accumulate_grad_batches
+            n = min(
+                n, (self.schedule.max_steps - self.progress.global_step) * k - self.progress.micro
+            )
+        return n
+
+    def _train_epoch(
+        self,
+        module: JaxModule,
+        loader: Iterable[Any],
+        val_loaders: Any,
+        batches: Batches,
+        epoch: int,
+        skip: int,
+    ) -> None:
+        """One epoch's steps from batch ``skip``; sets ``epoch_completed``.
+
+        Validations due after a batch (``val_check_interval``) run there, except
+        one due after the epoch's last batch: that one runs at the epoch's end,
+        after its last logging interval is reported, as a once-per-epoch one does.
+        """
+        progress, k = self.progress, self.program.options.accumulate_grad_batches
+        progress.epoch_completed = False
+        # The device numbers batches (1-based) as update * k + micro-batch: this
+        # epoch's batch 0 is number offset + 1 (an epoch starts at an update).
+        progress.epoch_offset = progress.global_step * k + progress.micro - skip
+        epoch_batches = self.pipeline.train_batches_per_epoch(loader)
+        progress.num_training_batches = self.batches_left(loader, skip)
+        self.validate_at_epoch_end = self.schedule.validate_at_epoch_end(epoch, epoch_batches)
+        self.hooks("on_train_epoch_start", module)
+        # A run resumed from a checkpoint taken after batch `skip` (before any
+        # validation due there) runs that validation first, as the run it continues did.
+        if skip and val_loaders is not None:
+            self._validate_after(module, val_loaders, epoch, skip, epoch_batches)
+        for batch_idx, batch in enumerate(batches, start=skip):
+            if self.stop.before_batch():
+                return
+            self.hooks("on_train_batch_start", module, batch_idx)
+            self.program.train(batch)
+            progress.train_samples_seen += batch.host.real
+            updated = progress.count_micro_batch(k)
+            progress.position = (epoch, batch_idx + 1)
+            at_report = updated and progress.global_step % self.log_every_n_steps == 0
+            if at_report:
+                self._report_train()
+            self.stop.poll_signal(at_report)
+            self.hooks("on_train_batch_end", module, batch_idx)
+            self.stop.poll_time(at_report)
+            if val_loaders is not None and not self.stop.signum:  # else after resuming
+                self._validate_after(module, val_loaders, epoch, batch_idx + 1, epoch_batches)
+        progress.epoch_completed = True
+        if progress.micro:  # an epoch ending between two updates updates with what it has
+            self.program.flush()
+            progress.micro = 0
+            progress.global_step += 1
+
+    def _validate_after(
+        self, module: JaxModule, val_loaders: Any, epoch: int, done: int, total: int | None
+    ) -> None:
+        """Validates if ``val_check_interval`` says so after batch ``done`` of the
+        epoch; after its last batch, at the epoch's end instead."""
+        if not self.schedule.validate_after_batch(epoch, done, total, self.progress.global_step):
+            return
+        if done == total:
+            self.validate_at_epoch_end = True
+        else:
+            self.evaluation.evaluate("validation", module, val_loaders)
+
+    def _sanity_check(self, module: JaxModule, val_loaders: Any) -> None:
+        """A few validation batches before training, results discarded."""
+        if val_loaders is None or self.num_sanity_val_steps == 0:
+            return
+        limit = None if self.num_sanity_val_steps < 0 else self.num_sanity_val_steps
+        self.evaluation.evaluate("validation", module, val_loaders, limit=limit, publish=False)
+
+    def _report_train(self) -> None:
+        """Reports the values of this logging interval and starts the next one."""
+        acc = self.program.fetch_metrics()
+        self.reporter.publish(report("train", self.program.train_options, acc.metrics, "step"))
+        self.program.reset_interval(acc)
+
+    def _end_train_epoch(self) -> None:
+        """Reports the epoch's last (partial) interval and its ``on_epoch`` values.
+
+        After a complete epoch the accumulators start over: logging intervals
+        never span two epochs. An epoch cut short (``max_steps``, ``should_stop``)
+        keeps them, so that a run resumed from its checkpoint continues them
+        exactly as an uninterrupted run would.
+        """
+        acc = self.program.fetch_metrics()
+        options = self.program.train_options
+        values = report("train", options, acc.metrics, "step")
+        values.update(report("train", options, acc.epoch, "epoch"))
+        self.reporter.publish(values)
+        if self.progress.epoch_completed:
+            self.program.reset_epoch()
+
+    def _stop_on_signal(self, module: JaxModule) -> None:
+        """Saves a resume point with every `ModelCheckpoint`, then exits."""
+        signum, step = self.stop.signum, self.progress.global_step
+        name = signal.Signals(signum).name
+        checkpoints = self.hooks.of_type(ModelCheckpoint)
+        paths = [c.save(self.hooks.view, module, resume_point=True) for c in checkpoints]
+        for c in checkpoints:
+            c.finish(prune=True)
+        if not distributed.is_rank_zero():
+            pass
+        elif paths:
+            print(
+                f"Received {name} at step {step}: saved {paths[0]}. Resume with "
+                "trainer.fit(model, ..., ckpt_path='last') (or that path).",
+                flush=True,
+            )
+        else:
+            print(f"Received {name} at step {step}: no ModelCheckpoint, nothing saved.", flush=True)
+        raise SystemExit(128 + signum)

@@ -1,0 +1,384 @@
+"""The program: the compiled steps, the train state they carry, and the steps in flight.
+
+The loops never touch state arrays: they hand the program device batches and
+ask it for fetched metrics, checkpoint arrays and evaluation variables.
+
+Start-up order of a fit: XLA compiles the initial state on a worker thread
+while the main thread traces the train step, which then compiles in turn while
+the main thread sets up the rest of the run. Every thread started here is
+registered with the caller's ``threads`` stack, which joins it on every way
+out (one still running in XLA when the process exits aborts it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import optax
+
+from jaxlightning.checkpoint import restore, restore_variables
+from jaxlightning.compiling import (
+    Background,
+    Precompiled,
+    compile_with_options,
+    in_background,
+    join_quietly,
+)
+from jaxlightning.data import DeviceBatch
+from jaxlightning.loop.progress import Progress
+from jaxlightning.module import JaxModule
+from jaxlightning.nnx_support import NnxGraph
+from jaxlightning.precision import for_storage
+from jaxlightning.state import TrainState, create_train_state
+from jaxlightning.step import (
+    Metrics,
+    Options,
+    StepOptions,
+    TrainMetrics,
+    build_eval_step,
+    build_flush,
+    build_predict_step,
+    build_train_parts,
+    build_train_step,
+    checked_setup,
+    is_manual,
+    zero_eval_metrics,
+    zero_train_metrics,
+)
+from jaxlightning.strategies import Strategy
+
+# For programs that run once (the initial state): XLA's optimisation level 1
+# and, on CPU, its older fusion emitters compile the random initialisers of an
+# MNIST-sized MLP in 0.3 s instead of 1.1 s, with bitwise the values of the
+# default compile (level 0 is faster still, but rounds differently: 1 ulp).
+# Both are private XLA options: `compile_with_options` drops any the backend
+# rejects (JAX 0.11 removed the fusion-emitter one).
+_RUN_ONCE_OPTIONS = {"xla_backend_optimization_level": 1}
+_RUN_ONCE_CPU_OPTIONS = {**_RUN_ONCE_OPTIONS, "xla_cpu_use_fusion_emitters": False}
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or infinite."""
+
+
+def shard_shapes(tree: Any, rows: int) -> Any:
+    """Abstract shapes of one device's shard of a host batch, in the dtypes JAX
+    will give it (int64 labels become int32 unless x64 is enabled)."""
+
+    def shard(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((rows, *x.shape[1:]), jax.dtypes.canonicalize_dtype(x.dtype))
+
+    return jax.tree.map(shard, tree)
+
+
+class Program:
+    """Owns the train state, the compiled steps and the bound on steps in flight.
+
+    Args:
+        strategy: lays out the state and compiles the per-device functions.
+        options: what the train step does besides the update (precision,
+            clipping, accumulation).
+        seed: seeds initialisation and every per-device, per-step key.
+        progress: the run's position (named in non-finite loss errors).
+        stop_on_nonfinite_loss: raise `NonFiniteLossError` at the next report.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        options: StepOptions,
+        *,
+        seed: int,
+        progress: Progress,
+        stop_on_nonfinite_loss: bool = True,
+    ) -> None:
+        self.strategy = strategy
+        self.options = options
+        self.seed = seed
+        self.progress = progress
+        self.stop_on_nonfinite_loss = stop_on_nonfinite_loss
+        self.train_options: Options = {}
+        self.fit_module: JaxModule | None = None  # whose variables the state holds
+        self._state: TrainState | None = None
+        self._acc: TrainMetrics | None = None
+        self._acc0: TrainMetrics | None = None
+        self._train_step: Any = None
+        self._flush: Any = None
+        self._eval_fns: dict[Any, Any] = {}
+        self._in_flight: deque[Any] = deque()
+
+    # ----------------------------------------------------------- the state
+    @property
+    def started(self) -> bool:
+        """Whether a fit built (or restored) a train state."""
+        return self._state is not None
+
+    def state_copy(self) -> TrainState | None:
+        """One (unreplicated) copy of the train state that later steps leave
+        valid (the steps donate their input buffers); ``None`` before `fit`."""
+        if self._state is None:
+            return None
+        return jax.tree.map(lambda x: x.copy(), self.strategy.unreplicate(self._state))
+
+    def live_state(self) -> TrainState:
+        """The placed train state itself: valid until the next train step."""
+        if self._state is None:
+            raise RuntimeError("fit has not started")
+        return self._state
+
+    def trained_variables(self) -> Any:
+        """The state's variables (one copy), to hand back to the module."""
+        return self.strategy.unreplicate(self.live_state()).variables
+
+    def checkpoint_tree(self) -> dict[str, Any]:
+        """What a checkpoint writes: the state's arrays and the metric
+        accumulator, after the steps in flight; refuses a non-finite loss."""
+        self.drain()
+        acc = self.fetch_metrics()
+        return {"state": self.strategy.checkpoint_arrays(self.live_state()), "acc": acc}
+
+    # ------------------------------------------------------------- start-up
+    def start(
+        self,
+        module: JaxModule,
+        tx: optax.GradientTransformation,
+        example: DeviceBatch,
+        resume: str | None,
+        threads: contextlib.ExitStack,
+    ) -> None:
+        """Builds (or restores from ``resume``) the state and compiles the train step."""
+        shapes, pending_state = self._start_init_state(module, tx, example)
+        threads.callback(join_quietly, pending_state)
+        rows = example.host.mask.shape[0] // self.strategy.num_local_shards
+        acc0, self.train_options = zero_train_metrics(
+            module, shapes, shard_shapes(example.host.data, rows), tx, self.options
+        )
+        if is_manual(module):
+            train_step = self.strategy.compile_manual(build_train_step(module, tx, self.options))
+        else:
+            parts = build_train_parts(module, tx, self.options, self.strategy.reduce_grads())
+            train_step = self.strategy.compile_train(parts)
+        train_step = self.strategy.precompile(train_step, shapes, acc0, example.data, example.mask)
+        if isinstance(train_step, Precompiled):
+            threads.callback(train_step.join)
+        self._train_step = train_step
+        self._flush = None
+        if self.options.accumulate_grad_batches > 1:
+            self._flush = self.strategy.compile_global(build_flush(tx, self.options))
+        state = pending_state.result()
+        acc = acc0
+        if resume is not None:
+            restored = restore(resume, {"state": state, "acc": acc0})
+            state, acc = restored["state"], restored["acc"]
+        self.progress.micro = int(getattr(state, "micro", 0))  # since the last update
+        self._state = self.strategy.place_state(state)
+        self._acc = self.strategy.replicate(acc)
+        self._acc0 = self.strategy.replicate(acc0)
+        self._eval_fns.clear()
+        self.fit_module = module
+
+    def _start_init_state(
+        self, module: JaxModule, tx: optax.GradientTransformation, first: DeviceBatch
+    ) -> tuple[Any, Background]:
+        """The initial train state's shapes now, and the state itself compiled
+        and computed on a worker thread while the caller traces the train step.
+        The caller must wait for the future on every path (`join_quietly`)."""
+        init, args = self._init_program(module, tx, first)
+        traced = init.trace(*args)
+        lowered = traced.lower()
+        return traced.out_info, in_background(lambda: self._compile_once(lowered)(*args))
+
+    def _compile_once(self, lowered: Any) -> Any:
+        # Runs once: compiling it quickly matters more than running it quickly.
+        options = _RUN_ONCE_CPU_OPTIONS if self.strategy.on_cpu else _RUN_ONCE_OPTIONS
+        return compile_with_options(lowered, options)
+
+    def _example(self, first: DeviceBatch) -> Any:
+        """One device's share of the first batch, for ``setup``."""
+        rows = first.host.mask.shape[0] // self.strategy.num_local_shards
+        return jax.tree.map(lambda x: x[:rows], first.host.data)
+
+    def _init_function(
+        self, module: JaxModule, tx: optax.GradientTransformation | None, *, boxed: bool
+    ) -> Callable[..., Any]:
+        """``(seed, variables, example) -> state`` (without ``tx``, just the
+        variables); with ``boxed``, flax partitioning annotations kept."""
+        model = module._nnx_model()
+        if model is not None and module._nnx is None:  # split on the host, once
+            module._nnx = NnxGraph(model)
+        precision, accumulate = self.options.precision, self.options.accumulate_grad_batches
+
+        def jl_init(seed, variables, example):
+            init_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
+            if variables is None:
+                variables = checked_setup(module, init_rng, example)
+            variables = for_storage(variables, precision)
+            if tx is None:
+                out = variables
+            else:
+                out = create_train_state(variables, tx, train_rng, accumulate)
+            # Partitioning annotations only say where arrays go: the state holds
+            # plain arrays, laid out by the strategy.
+            return out if boxed else nn.meta.unbox(out)
+
+        return jl_init
+
+    def _init_program(
+        self, module: JaxModule, tx: optax.GradientTransformation | None, first: DeviceBatch
+    ) -> tuple[Any, tuple[Any, ...]]:
+        """The jitted initialisation and its arguments. A strategy that lays out
+        the state (`Strategy.plan`) gets its annotated shapes first, and the
+        program builds it with that layout."""
+        args = (self.seed, module.variables, self._example(first))
+
+        def annotated() -> Any:
+            return jax.eval_shape(self._init_function(module, tx, boxed=True), *args)
+
+        init = self._init_function(module, tx, boxed=False)
+        if tx is None:
+            shardings = self.strategy.plan_variables(annotated)
+        else:
+            shardings = self.strategy.plan(annotated)
+        if shardings is None:
+            return jax.jit(init), args
+        return jax.jit(init, out_shardings=shardings), args
+
+    def _variables_layout(self, module: JaxModule, first: DeviceBatch) -> Callable[[], Any]:
+        """The annotated shapes of ``module``'s variables, on demand."""
+        args = (self.seed, module.variables, self._example(first))
+        return lambda: jax.eval_shape(self._init_function(module, None, boxed=True), *args)
+
+    # ------------------------------------------------------------- training
+    def train(self, batch: DeviceBatch) -> None:
+        """Dispatches one train step (waits for an older one past the bound)."""
+        self._state, self._acc = self._train_step(self._state, self._acc, batch.data, batch.mask)
+        self.throttle(self._acc)
+
+    def flush(self) -> None:
+        """Applies the gradient accumulated so far (an epoch ending between updates)."""
+        self._state = self._flush(self._state)
+
+    def fetch_metrics(self) -> TrainMetrics:
+        """The train accumulator on the host (a sync); raises `NonFiniteLossError`
+        when a step since the last reset had a non-finite loss."""
+        acc = self.fetch(self._acc)
+        bad = int(acc.first_nonfinite)  # the batch's number: update * k + micro-batch
+        if bad and self.stop_on_nonfinite_loss:
+            step = (bad - 1) // self.options.accumulate_grad_batches + 1
+            raise NonFiniteLossError(
+                f"the loss is not finite at step {step} (epoch "
+                f"{self.progress.current_epoch}, batch {bad - 1 - self.progress.epoch_offset}); "
+                "training stopped and no checkpoint of it was saved. Lower the learning rate, "
+                "clip gradients or check that batch; Trainer(stop_on_nonfinite_loss=False) "
+                "trains on regardless"
+            )
+        return acc
+
+    def reset_interval(self, acc: TrainMetrics) -> None:
+        """Starts the next logging interval (``acc``: the fetched accumulator)."""
+        assert self._acc is not None and self._acc0 is not None
+        self._acc = self._acc.replace(metrics=self._acc0.metrics)
+
+    def reset_epoch(self) -> None:
+        """Starts a new epoch's accumulators (intervals never span two epochs)."""
+        self._acc = self._acc0
+
+    def fetch(self, tree: Any) -> Any:
+        return jax.device_get(self.strategy.unreplicate(tree))
+
+    # ------------------------------------------------------------ in flight
+    def throttle(self, token: Any) -> None:
+        """Bounds the steps in flight by waiting on the oldest one's output."""
+        self._in_flight.append(token)
+        if len(self._in_flight) > self.strategy.max_in_flight:
+            jax.block_until_ready(self._in_flight.popleft())
+
+    def drain(self) -> None:
+        """Waits for every step in flight."""
+        while self._in_flight:
+            jax.block_until_ready(self._in_flight.popleft())
+
+    # ----------------------------------------------------------- evaluation
+    def eval_variables(
+        self,
+        module: JaxModule,
+        first: DeviceBatch,
+        checkpoint: str | None,
+        swaps: list[Callable[[TrainState], Any]],
+    ) -> tuple[Any, bool]:
+        """The placed variables an evaluation of ``module`` uses, and whether
+        they are fresh (neither trained nor loaded).
+
+        A ``checkpoint``'s variables (which the module then keeps); else, while
+        ``module`` is the one this program trains, the state's (or those a
+        callback swaps in: EMA); else the module's own, or freshly initialised.
+        """
+        if checkpoint is not None:
+            expected = self.init_variables(module, first, abstract=True)
+            module.variables = restore_variables(checkpoint, expected)
+            if self.fit_module is module:  # its variables no longer are the fit's state
+                self.fit_module = None
+            layout = self._variables_layout(module, first)
+            return self.strategy.place_variables(module.variables, layout), False
+        if self._state is not None and self.fit_module is module:
+            variables = self._state.variables
+            for swap in swaps:
+                variables = swap(self._state)
+            return variables, False
+        fresh = module.variables is None
+        variables = self.init_variables(module, first)
+        return self.strategy.place_variables(
+            variables, self._variables_layout(module, first)
+        ), fresh
+
+    def init_variables(
+        self, module: JaxModule, first: DeviceBatch, *, abstract: bool = False
+    ) -> Any:
+        """The module's variables (its own, else initialised) as one program;
+        with ``abstract`` only their shapes."""
+        if abstract:
+            args = (self.seed, module.variables, self._example(first))
+            return jax.eval_shape(self._init_function(module, None, boxed=False), *args)
+        init, args = self._init_program(module, None, first)
+        return self._compile_once(init.trace(*args).lower())(*args)
+
+    def forget(self, module: JaxModule) -> None:
+        """``module``'s variables were replaced: they no longer are the fit's state."""
+        if self.fit_module is module:
+            self.fit_module = None
+
+    def eval_step(
+        self, module: JaxModule, hook: str, first: DeviceBatch, variables: Any
+    ) -> tuple[Callable[..., Any], Metrics, Options]:
+        """The compiled evaluation of ``hook``, its empty accumulator and the
+        options of what it logs (compiled once per module, hook and shapes)."""
+        rows = first.host.mask.shape[0] // self.strategy.num_local_shards
+        example = shard_shapes(first.host.data, rows)
+        shapes = (jax.tree.structure(example), tuple(jax.tree.leaves(example)))
+        key = ("eval", hook, module, shapes)
+        if key not in self._eval_fns:
+            compiled = self.strategy.compile(
+                build_eval_step(module, hook, self.options.precision),
+                sharded_args=(False, False, True, True),
+                sharded_out=False,
+            )
+            local = jax.eval_shape(self.strategy.unreplicate, variables)
+            zeros, options = zero_eval_metrics(module, hook, local, example)
+            self._eval_fns[key] = (compiled, self.strategy.replicate(zeros), options)
+        return self._eval_fns[key]
+
+    def predict_step(self, module: JaxModule) -> Callable[..., Any]:
+        """The compiled ``predict_step`` of ``module`` (compiled once)."""
+        key = ("predict", module)
+        if key not in self._eval_fns:
+            self._eval_fns[key] = self.strategy.compile(
+                build_predict_step(module, self.options.precision),
+                sharded_args=(False, True, True),
+                sharded_out=True,
+            )
+        return self._eval_fns[key]

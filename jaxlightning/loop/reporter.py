@@ -1,0 +1,157 @@
+"""The reporter: where logged values go, under which names.
+
+`report` is pure Python over fetched metric states, no JAX: given what was
+logged with which `LogOptions`, it builds the values for ``callback_metrics``,
+the loggers and the progress bar, with Lightning's naming. The `Reporter`
+hands them out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from jaxlightning.loggers import Logger
+from jaxlightning.loop.progress import Progress
+from jaxlightning.metrics import LogOptions, host_value
+
+# Words that mark a name as already carrying its stage: `val_loss`, `val/acc`.
+_STAGE_WORDS = {"train": ("train",), "val": ("val", "valid", "validation"), "test": ("test",)}
+
+
+def full_name(prefix: str, name: str) -> str:
+    """``prefix/name`` (``train/acc``), or ``name`` as written when it already
+    carries its stage (``val_loss``, ``val/acc``), as in Lightning scripts."""
+    for word in _STAGE_WORDS.get(prefix, (prefix,)):
+        if name.startswith((word + "_", word + "/")):
+            return name
+    return f"{prefix}/{name}"
+
+
+@dataclasses.dataclass
+class Report:
+    """Values to hand out: ``values`` to ``callback_metrics`` (all of them),
+    ``logged`` to the loggers, ``bar`` to the progress bar."""
+
+    values: dict[str, float] = dataclasses.field(default_factory=dict)
+    logged: dict[str, float] = dataclasses.field(default_factory=dict)
+    bar: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def update(self, other: Report) -> None:
+        self.values.update(other.values)
+        self.logged.update(other.logged)
+        self.bar.update(other.bar)
+
+
+def report(
+    prefix: str,
+    options: Mapping[str, LogOptions],
+    metrics: Mapping[str, Any],
+    level: str,
+    suffix: str = "",
+) -> Report:
+    """The ``level`` (``"step"`` or ``"epoch"``) values of fetched ``metrics``.
+
+    A name logged both per step and per epoch is reported as ``<name>_step``
+    and ``<name>_epoch``, as in Lightning; ``callback_metrics`` also gets the
+    plain name with the latest of the two. Names that saw no real row are
+    left out.
+    """
+    out = Report()
+    for name, metric in metrics.items():
+        opts = options[name]
+        if not (opts.on_step if level == "step" else opts.on_epoch):
+            continue
+        value = host_value(metric)
+        if value is None:
+            continue
+        plain = full_name(prefix, name) + suffix
+        key = plain + (f"_{level}" if opts.on_step and opts.on_epoch else "")
+        out.values[key] = out.values[plain] = value
+        if opts.logger:
+            out.logged[key] = value
+        if opts.prog_bar:
+            out.bar[key] = value
+    return out
+
+
+def as_loggers(logger: Any) -> list[Logger]:
+    """The loggers of ``Trainer(logger=...)``: a `Logger`, a list, or none."""
+    loggers = list(logger) if isinstance(logger, (list, tuple)) else [logger]
+    loggers = [lg for lg in loggers if lg is not None and lg is not False]
+    for lg in loggers:
+        if not isinstance(lg, Logger):
+            raise TypeError(
+                f"logger={lg!r}: use True (TensorBoard), False, a jaxlightning Logger "
+                "(TensorBoardLogger, CSVLogger, ...) or a list of them"
+            )
+    return loggers
+
+
+class Reporter:
+    """Moves reported values to ``callback_metrics``, the progress bar and the loggers.
+
+    Args:
+        loggers: every logged value goes to each, at the run's current step.
+        progress: the run's position (the step and epoch values are logged at).
+    """
+
+    def __init__(self, loggers: list[Logger], progress: Progress) -> None:
+        self.loggers = loggers
+        self.progress = progress
+        self.callback_metrics: dict[str, float] = {}
+        self.logged_metrics: dict[str, float] = {}
+        self.progress_bar_metrics: dict[str, float] = {}
+
+    @property
+    def log_dir(self) -> str | None:
+        """The first logger's run directory (checkpoints go there by default)."""
+        return self.loggers[0].log_dir if self.loggers else None
+
+    def publish(self, values: Report) -> None:
+        """Hands reported values to ``callback_metrics``, the bar and the loggers."""
+        self.callback_metrics = {**self.callback_metrics, **values.values}
+        self.progress_bar_metrics = {**self.progress_bar_metrics, **values.bar}
+        if values.logged:
+            self.logged_metrics = {**values.logged, "epoch": float(self.progress.current_epoch)}
+            for logger in self.loggers:
+                logger.log_metrics(self.logged_metrics, step=self.progress.global_step)
+
+    def log_host(self, name: str, value: Any, *, prog_bar: bool, logger: bool) -> None:
+        """``self.log`` from a module's host-side hook: logged at once, as named."""
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"self.log({name!r}, ...) in a host-side hook got a {type(value).__name__}; "
+                "log a number"
+            ) from None
+        values = Report(values={name: number})
+        if logger:
+            values.logged[name] = number
+        if prog_bar:
+            values.bar[name] = number
+        self.publish(values)
+
+    def log_hyperparams(self, hparams: Mapping[str, Any]) -> None:
+        for logger in self.loggers:
+            logger.log_hyperparams(hparams)
+
+    def resume_in(self, log_dir: str | None) -> None:
+        """Resumes logging into a checkpoint's run directory (one run in TensorBoard)."""
+        if log_dir:
+            for logger in self.loggers:
+                logger.resume_in(log_dir)
+
+    def finalize(self, *, quiet: bool = False) -> None:
+        """Finalizes every logger; with ``quiet`` (a run already failing), a
+        logger's own failure becomes a warning instead of an exception."""
+        for logger in self.loggers:
+            try:
+                logger.finalize()
+            except Exception as exc:
+                if not quiet:
+                    raise
+                warnings.warn(f"{type(logger).__name__}.finalize() failed: {exc}", stacklevel=2)

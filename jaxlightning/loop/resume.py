@@ -1,0 +1,153 @@
+"""Resuming: which checkpoint ``ckpt_path`` names, what a checkpoint's record
+holds, and whether a resumed run has anything left to do."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jaxlightning import distributed
+from jaxlightning.callbacks import ModelCheckpoint
+from jaxlightning.checkpoint import find_last, json_safe, read_meta, restore_variables
+from jaxlightning.loggers import Logger
+from jaxlightning.loggers.base import VersionedLogger
+from jaxlightning.loop.hooks import Hooks
+from jaxlightning.loop.progress import Progress
+from jaxlightning.module import JaxModule
+from jaxlightning.schedule import Schedule
+
+
+def checkpoint_callback(hooks: Hooks) -> ModelCheckpoint | None:
+    """The first `ModelCheckpoint` among the callbacks."""
+    return next(iter(hooks.of_type(ModelCheckpoint)), None)
+
+
+def _checkpoint_dirs(
+    callback: ModelCheckpoint | None, loggers: Sequence[Logger], default_root_dir: str
+) -> list[str]:
+    dirs = []
+    if callback is not None and callback.dirpath is not None:
+        dirs.append(os.path.abspath(callback.dirpath))
+    if loggers and isinstance(loggers[0], VersionedLogger):
+        root = os.path.join(loggers[0].save_dir, loggers[0].name)
+        dirs += glob.glob(os.path.join(root, "version_*", "checkpoints"))
+    dirs.append(os.path.join(default_root_dir, "checkpoints"))
+    return dirs
+
+
+def resolve_ckpt_path(
+    ckpt_path: str | os.PathLike[str],
+    callback: ModelCheckpoint | None,
+    loggers: Sequence[Logger],
+    default_root_dir: str,
+) -> str:
+    """The checkpoint folder ``ckpt_path`` names: ``"last"`` (the newest complete
+    one in the run's checkpoint folders), ``"best"`` (the `ModelCheckpoint`'s best),
+    or a folder."""
+    if ckpt_path not in ("last", "best"):
+        return os.path.abspath(os.fspath(ckpt_path))
+    if ckpt_path == "best" and callback is not None and callback.best_model_path:
+        return callback.best_model_path
+    dirs = _checkpoint_dirs(callback, loggers, default_root_dir)
+    last = find_last(dirs)
+    if last is None:
+        raise FileNotFoundError(
+            f"ckpt_path={ckpt_path!r}: no complete checkpoint in "
+            f"{sorted(set(dirs))}; pass a checkpoint folder instead"
+        )
+    if ckpt_path == "last":
+        return last
+    best = read_meta(last).get("callbacks", {}).get("ModelCheckpoint", {})
+    if not best.get("best_model_path"):
+        raise FileNotFoundError(f"ckpt_path='best': {last} records no best checkpoint")
+    return best["best_model_path"]
+
+
+def load_states(hooks: Hooks, datamodule: Any, module: JaxModule, meta: Mapping[str, Any]) -> None:
+    """Hands a resumed checkpoint's record to the callbacks, the datamodule and
+    the ``on_load_checkpoint`` hooks."""
+    states = meta.get("callbacks", {})
+    for key, cb in hooks.keyed():
+        if key in states and hasattr(cb, "load_state_dict"):
+            cb.load_state_dict(states[key])
+    if datamodule is not None and "datamodule" in meta:
+        datamodule.load_state_dict(meta["datamodule"])
+    hooks("on_load_checkpoint", module, dict(meta))
+
+
+def checkpoint_record(
+    hooks: Hooks,
+    module: JaxModule,
+    progress: Progress,
+    datamodule: Any,
+    **run: Any,
+) -> dict[str, Any]:
+    """The JSON record a checkpoint saves: the resume position, callback and
+    datamodule states, hyperparameters, and ``run`` (seed, log dir, ...),
+    after the ``on_save_checkpoint`` hooks added theirs."""
+    epoch, batch = progress.position
+    states = {key: getattr(cb, "state_dict", dict)() for key, cb in hooks.keyed()}
+    meta = {
+        "progress": {"epoch": epoch, "batch": batch, "global_step": progress.global_step},
+        "callbacks": {key: state for key, state in states.items() if state},
+        "hparams": json_safe(module.hparams),
+        "module": f"{type(module).__module__}.{type(module).__qualname__}",
+        **run,
+    }
+    if datamodule is not None and hasattr(datamodule, "state_dict"):
+        meta["datamodule"] = datamodule.state_dict()
+    hooks("on_save_checkpoint", module, meta)
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"the checkpoint record cannot be saved as JSON ({exc}); on_save_checkpoint "
+            "hooks and state_dict methods must add only JSON values (numbers, strings, "
+            "lists, dicts)"
+        ) from exc
+    return meta
+
+
+def nothing_left(
+    progress: Progress, schedule: Schedule, epoch_batches: int | None, skip: int
+) -> str:
+    """Why a fit from ``progress`` would train nothing (``""`` if it would)."""
+    if schedule.max_epochs is not None and progress.current_epoch >= schedule.max_epochs:
+        return f"max_epochs={schedule.max_epochs} reached"
+    if not schedule.step_limit_reached(progress.global_step):
+        return ""
+    # At an epoch's last batch, that epoch's end (validation) is still due.
+    epoch_end_due = skip > 0 and epoch_batches == skip
+    return "" if epoch_end_due else f"max_steps={schedule.max_steps} reached"
+
+
+def start_from(meta: Mapping[str, Any] | None, progress: Progress) -> int:
+    """Moves ``progress`` to a checkpoint record's position; returns the batch
+    of the epoch to start from (0 without a checkpoint)."""
+    if meta is None:
+        return 0
+    at = meta["progress"]
+    progress.resume_at(at["epoch"], at["batch"], at["global_step"])
+    return at["batch"]
+
+
+def load_instead(module: JaxModule, path: str | None, progress: Progress, reason: str) -> None:
+    """A fit with nothing left to do (``reason``): the module gets the
+    checkpoint's variables (if resuming from one), and the user is told."""
+    if path is not None:
+        module.variables = restore_variables(path)
+        where = f"checkpoint {path} is"
+    elif module.variables is not None:
+        where = "this Trainer is"
+    else:
+        where = "this Trainer is (and the module was not trained by it)"
+    if distributed.is_rank_zero():
+        print(
+            f"fit: nothing left to do: {reason}; the {where} at epoch "
+            f"{progress.current_epoch}, step {progress.global_step}. Raise max_epochs or "
+            "max_steps to train further.",
+            flush=True,
+        )

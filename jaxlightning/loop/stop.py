@@ -1,0 +1,87 @@
+"""The stop policy: when a fit stops, agreed by every process at one step.
+
+Limits (``max_steps``, ``max_epochs``), ``max_time``, ``trainer.should_stop``
+(held back by ``min_epochs``/``min_steps``) and SIGTERM/SIGINT. In a
+multi-process run every process must stop at the same step, so host-side
+conditions (a clock, a signal one process received) are agreed through
+`jaxlightning.distributed` at logging intervals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from jaxlightning import distributed
+from jaxlightning.loop.progress import Progress
+from jaxlightning.loop.signals import StopRequest
+from jaxlightning.schedule import Schedule
+
+
+class StopPolicy:
+    """Answers "stop now?" for the fit loop.
+
+    Attributes:
+        should_stop: a stop requested by a callback or the module (`EarlyStopping`);
+            takes effect once ``min_epochs`` and ``min_steps`` are reached.
+        time_up: ``max_time`` has passed; takes effect at once.
+        signum: the stop signal every process acts on (0: none).
+    """
+
+    def __init__(self, schedule: Schedule, progress: Progress) -> None:
+        self.schedule = schedule
+        self.progress = progress
+        self.should_stop = False
+        self.time_up = False
+        self.signum = 0
+        self._request = StopRequest()
+        self._started = 0.0
+
+    def reset(self) -> None:
+        """A new fit: nothing requested yet."""
+        self.should_stop = self.time_up = False
+        self.signum = 0
+
+    @contextmanager
+    def watching_signals(self) -> Iterator[None]:
+        """While active, SIGTERM/SIGINT request a stop at the next step instead of killing."""
+        with self._request:
+            yield
+
+    def start_clock(self) -> None:
+        """Training begins: ``max_time`` counts from here."""
+        self._started = time.monotonic()
+
+    def step_limit_reached(self) -> bool:
+        return self.schedule.step_limit_reached(self.progress.global_step)
+
+    def poll_signal(self, at_sync: bool) -> None:
+        """Takes in a signal received since the last step (alone: at once; across
+        processes: the largest, at sync points)."""
+        self.signum = distributed.agree_max(self._request.signum or 0, at_sync=at_sync)
+
+    def poll_time(self, at_sync: bool) -> None:
+        """Whether ``max_time`` has passed, by process 0's clock across processes."""
+        if self.schedule.max_time is None:
+            return
+        up = self.schedule.time_up(time.monotonic() - self._started)
+        if distributed.agree(up, at_sync=at_sync):
+            self.time_up = self.should_stop = True
+
+    def before_batch(self) -> bool:
+        """Whether the epoch stops before its next batch (and the fit with it)."""
+        if self.signum or self.step_limit_reached() or self.stopping():
+            self.should_stop = True
+            return True
+        return False
+
+    def stopping(self) -> bool:
+        """Whether a requested stop takes effect now: ``should_stop`` waits for
+        ``min_epochs``/``min_steps``; ``max_time`` does not."""
+        if not self.should_stop:
+            return False
+        if self.time_up:
+            return True
+        # current_epoch counts completed epochs (it moves on once one completes)
+        return self.schedule.may_stop(self.progress.current_epoch, self.progress.global_step)

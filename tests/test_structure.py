@@ -1,0 +1,98 @@
+"""The package's shape: components, not mixins; imports that flow one way."""
+
+import ast
+import pathlib
+
+import jaxlightning as jl
+
+PACKAGE = pathlib.Path(jl.__file__).parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(tree: ast.Module, name: str, is_package: bool) -> set[str]:
+    """Modules of the package imported when ``name`` runs (not under TYPE_CHECKING)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names if a.name.startswith("jaxlightning"))
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = name.split(".")
+                    anchor = anchor if is_package else anchor[:-1]
+                    anchor = anchor[: len(anchor) - child.level + 1]
+                    base = ".".join([*anchor, base]) if base else ".".join(anchor)
+                if base.startswith("jaxlightning"):
+                    found.add(base)
+                    found.update(f"{base}.{a.name}" for a in child.names)
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child)
+
+    visit(tree)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        imports = _runtime_imports(tree, name, path.name == "__init__.py")
+        graph[name] = {m for m in imports if m in modules and m != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (found := walk(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := walk(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_between_modules_of_the_package():
+    # A package's __init__ re-exporting its submodules is not a cycle of its own:
+    # count a submodule -> its package edge only when it reaches past the re-exports.
+    graph = _graph()
+    for name, deps in graph.items():
+        graph[name] = {d for d in deps if not name.startswith(d + ".")}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_trainer_is_composed_not_mixed_in():
+    assert jl.Trainer.__bases__ == (object,)
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                assert not node.name.endswith("Mixin"), f"{path.name}: class {node.name}"
+
+
+def test_callbacks_do_not_import_the_trainer():
+    graph = _graph()
+    for name, deps in graph.items():
+        if name.startswith("jaxlightning.callbacks"):
+            assert not {
+                d for d in deps if d.startswith(("jaxlightning.trainer", "jaxlightning.loop"))
+            }, name
