@@ -1,4 +1,4 @@
-"""What a loss hook returns, checked and reduced exactly over real rows.
+"""What a loss hook returns, checked and reduced exactly over real rows. Traced code.
 
 Shared by the train step (`JaxModule.loss`) and manual optimization
 (`Optimizers.step`): a scalar, a per-example vector or ``(loss, updates)``.

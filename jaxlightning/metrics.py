@@ -1,4 +1,4 @@
-"""What ``self.log`` records: options per name, and exact reductions on device.
+"""What ``self.log`` records: options per name, and exact reductions on device. Traced code.
 
 A value logged in a traced hook becomes a `clu.metrics` state over the real
 (unmasked) rows of one device's shard: `Average` for ``reduce_fx="mean"``,

@@ -1,4 +1,4 @@
-"""Several optimizers: parameter groups, and manual optimization (GANs).
+"""Several optimizers: parameter groups, and manual optimization (GANs). Traced code.
 
 ``configure_optimizers`` may return one optax transformation, or a dict of
 them keyed by top-level entries of ``variables["params"]`` (the groups). With

@@ -1,4 +1,4 @@
-"""Numeric precision of the step: Lightning's ``precision`` settings for JAX.
+"""Numeric precision of the step: Lightning's ``precision`` settings for JAX. Traced code.
 
 ``"32-true"``: everything in float32. ``"bf16-mixed"``: float32 master
 parameters and optimizer state; the forward and backward passes see bfloat16

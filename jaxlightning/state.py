@@ -1,4 +1,7 @@
-"""The train state: everything a step reads and writes, as one pytree."""
+"""The train state: everything a step reads and writes, as one pytree.
+
+Traced code: its methods run inside the compiled step.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,14 @@
-"""Pure per-device step functions: train, eval and predict.
+"""Pure per-device step functions: train, eval and predict. Traced code.
 
 Each builder returns a function of *one device's shard* that runs inside the
 strategy's SPMD context (`jax.pmap` or `jax.shard_map`) over the axis `AXIS`.
-Everything that crosses devices goes through one `psum` per step (plus a
-`pmax`/`pmin` when a value is logged with ``reduce_fx="max"``/``"min"``). No I/O
+Under data parallelism everything that crosses devices goes through one `psum`
+per step (plus a `pmax`/`pmin` when a value is logged with
+``reduce_fx="max"``/``"min"``); a state-sharding strategy (FSDP) passes its own
+gradient reduction (a reduce-scatter) and the rest keeps the one `psum`. No I/O
 and no reference to the Trainer: the functions close over the module and
-optimizer only.
+optimizer only. Gradient clipping is not here: it is a transformation in front
+of the optimizer (`StepOptions.with_clipping`), so every strategy applies it alike.
 
 Logged values are `clu.metrics` states keyed by name (see `jaxlightning.metrics`);
 a step merges its batch's states into the accumulator it is given, so

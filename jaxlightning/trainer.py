@@ -482,13 +482,7 @@ class Trainer:
             dataloaders = stage_loaders(stage, dataloaders, datamodule)
             checks.module_hooks(module, eval_hook(module, stage))
             _ = self.log_dir  # fixes the run directory on every process at once
-            try:
-                results = self._evaluation.evaluate(stage, module, dataloaders, ckpt_path)
-            except BaseException:
-                self._reporter.finalize(quiet=True)
-                raise
-            self._reporter.finalize()
-            return results
+            return self._evaluation.run(stage, module, dataloaders, ckpt_path)
 
     def predict(
         self,

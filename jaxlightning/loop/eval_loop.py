@@ -65,6 +65,19 @@ class EvalLoop:
         self.progress = progress
         self.resolve_checkpoint = resolve_checkpoint
 
+    def run(
+        self, stage: str, module: JaxModule, dataloaders: Any, ckpt_path: Any
+    ) -> list[dict[str, float]]:
+        """A `validate` or `test` call: the evaluation, then the loggers finalized
+        (quietly when the evaluation failed: its error is the one to see)."""
+        try:
+            results = self.evaluate(stage, module, dataloaders, ckpt_path)
+        except BaseException:
+            self.reporter.finalize(quiet=True)
+            raise
+        self.reporter.finalize()
+        return results
+
     def evaluate(
         self,
         stage: str,
@@ -118,7 +131,7 @@ class EvalLoop:
             warnings.warn(
                 f"{type(module).__name__} has no trained variables (fit was not run and no "
                 "ckpt_path given): evaluating the freshly initialised model",
-                stacklevel=6,  # the user line calling validate or test
+                stacklevel=7,  # the user line calling validate or test
             )
         return variables
 
