@@ -168,3 +168,8 @@ def agree_max(value: int, *, at_sync: bool = True) -> int:
     if jax.process_count() == 1:
         return value
     return max(gather_ints(value)) if at_sync else 0
+
+
+def barrier() -> None:
+    """Waits until every process reaches this point (a no-op when alone)."""
+    broadcast(np.int32(0))

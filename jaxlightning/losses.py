@@ -80,3 +80,15 @@ def like(updates: Mapping[str, Any], model_state: Mapping[str, Any]) -> dict[str
         )
         for name, value in updates.items()
     }
+
+
+def loss_terms(
+    out: Any, model_state: Mapping[str, Any], mask: jax.Array
+) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
+    """What a loss function returned, as the train steps use it: the loss summed
+    over the real rows, their count, and the mutated collections (shaped as
+    ``model_state``'s). One definition for `JaxModule.loss` and each
+    ``optimizers.step`` of manual optimization."""
+    loss, updates = split_loss_output(out, model_state)
+    total, count = masked_loss_sum(loss, mask)
+    return total, count, like(updates, model_state)

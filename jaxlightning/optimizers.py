@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlightning.losses import like, masked_loss_sum, pmean_floats, split_loss_output
+from jaxlightning.losses import loss_terms, pmean_floats
 from jaxlightning.precision import for_compute
 from jaxlightning.state import TrainState
 
@@ -131,9 +131,8 @@ class Optimizers:
         def objective(sub: Any) -> Any:
             params = sub if everything else {**state.params, group: sub}
             out = fn(for_compute(params, self._precision))
-            loss, updates = split_loss_output(out, state.model_state)
-            total, count = masked_loss_sum(loss, self._mask)
-            return total, (count, like(updates, state.model_state))
+            total, count, updates = loss_terms(out, state.model_state, self._mask)
+            return total, (count, updates)
 
         own = state.params if everything else state.params[group]
         (total, (count, updates)), grads = jax.value_and_grad(objective, has_aux=True)(own)

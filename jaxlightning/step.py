@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from clu import metrics as clu_metrics
 
-from jaxlightning.losses import like, masked_loss_sum, pmean_floats, split_loss_output
+from jaxlightning.losses import loss_terms, pmean_floats
 from jaxlightning.metrics import Average, LogOptions, across_devices, from_logged, zero
 from jaxlightning.module import JaxModule
 from jaxlightning.optimizers import Groups, Optimizers
@@ -311,9 +311,7 @@ def build_train_parts(
             variables = {"params": for_compute(params, options.precision), **state.model_state}
             with module._collect_logs("loss", mask, state.step) as logged:
                 out = module._call_loss(variables, for_compute(batch, options.precision), rngs)
-            loss, updates = split_loss_output(out, state.model_state)
-            updates = like(updates, state.model_state)
-            total, count = masked_loss_sum(loss, mask)
+            total, count, updates = loss_terms(out, state.model_state, mask)
             metrics = _logged_metrics(logged, mask)
             metrics["loss"] = Average(total=total, count=count)
             return total, (metrics, updates)

@@ -232,7 +232,7 @@ class Trainer:
         self._train_loader: Any = None  # fit's, for estimated_stepping_batches
 
         # The components, each given what it may touch.
-        self._progress = progress = Progress()
+        self._progress = progress = Progress(accumulate=options.accumulate_grad_batches)
         self._reporter = reporter = Reporter(as_loggers(logger), progress)
         self._stop = StopPolicy(self.schedule, progress)
         self._hooks = hooks = Hooks(self.callbacks, self)
@@ -310,8 +310,8 @@ class Trainer:
         if self._train_loader is None:
             raise RuntimeError("estimated_stepping_batches is known once fit has its loaders")
         batches = self._pipeline.train_batches_per_epoch(self._train_loader)
-        k = self._program.options.accumulate_grad_batches
-        return self.schedule.estimated_steps(None if batches is None else -(-batches // k))
+        updates = None if batches is None else self._progress.updates_in(batches)
+        return self.schedule.estimated_steps(updates)
 
     def checkpoint_payload(self, module: JaxModule) -> tuple[Any, dict[str, Any]]:
         """What a checkpoint of the run holds now: arrays and a JSON record.

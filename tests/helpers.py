@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import flax.linen as nn
@@ -20,13 +21,17 @@ class CompileCounter:
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
+        self.threads: dict[str, list[str]] = {}  # function -> the threads that compiled it
 
     def __call__(self, event: str, duration: float, **kwargs: object) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
-            self.counts[str(kwargs.get("fun_name", ""))] += 1
+            name = str(kwargs.get("fun_name", ""))
+            self.counts[name] += 1
+            self.threads.setdefault(name, []).append(threading.current_thread().name)
 
     def reset(self) -> None:
         self.counts.clear()
+        self.threads.clear()
 
     def matching(self, fragment: str) -> int:
         return sum(n for name, n in self.counts.items() if fragment in name)

@@ -76,6 +76,25 @@ def test_schedule_rules_without_jax():
 
 
 # ------------------------------------------------------- validation timing
+def test_progress_counts_updates_of_accumulated_micro_batches_without_jax():
+    from jaxlightning.loop.progress import Progress
+
+    p = Progress(accumulate=3)
+    p.start_epoch(skip=0)
+    done = [p.count_micro_batch() for _ in range(7)]  # an epoch of 7 micro-batches
+    assert done == [False, False, True, False, False, True, False]
+    assert (p.global_step, p.micro) == (2, 1)
+    assert p.end_partial_update() and (p.global_step, p.micro) == (3, 0)  # the leftover one
+    assert not p.end_partial_update()
+    assert p.updates_in(7) == 3 and p.updates_in(6) == 2
+    # the device numbers batches update * 3 + micro, 1-based: number 8 is the
+    # third update's micro-batch, batch 7 of the epoch (which began at number 1)
+    assert p.where(8) == (3, 7)
+    p.start_epoch(skip=0)  # the next epoch's batch 0 is number 10
+    assert p.epoch_offset == 9 and p.where(10) == (4, 0)
+    assert p.batches_until(max_steps=5) == 6
+
+
 def test_val_check_interval_fraction_validates_four_times_per_epoch(tmp_path):
     x, y = digits(64)  # 8 batches per epoch
     count = Count()

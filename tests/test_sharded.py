@@ -100,6 +100,24 @@ def test_fsdp_keeps_an_eighth_of_parameter_and_optimizer_bytes_per_device(dp_and
     assert max(_bytes_per_device((dp.state.params, dp.state.opt_state)).values()) == total
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "tensor"])
+def test_sharded_train_step_compiles_once_ahead_for_its_planned_layout(strategy, compiles):
+    # The step compiles on a worker thread (ahead of the first batch) for the
+    # state's planned layout: were that program the wrong one, the first call
+    # would compile the step again, on the main thread.
+    s = "fsdp" if strategy == "fsdp" else jl.ModelParallelStrategy(data=4, model=2)
+    trainer = quiet_trainer(max_epochs=2, strategy=s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the MLP has no tensor-parallel annotations
+        trainer.fit(LitMLP(), loader(*digits(64), 16))
+    assert trainer.global_step == 8
+    assert compiles.matching("jl_sharded_train_step") == 1, compiles.counts
+    threads = [
+        t for name, ts in compiles.threads.items() if "jl_sharded_train_step" in name for t in ts
+    ]
+    assert threads == ["jl-compile"], compiles.threads
+
+
 def test_fsdp_shards_the_largest_divisible_dimension_of_arrays_big_enough():
     assert largest_divisible_dim((64, 256), 8, 1024) == 1
     assert largest_divisible_dim((256, 10), 8, 1024) == 0

@@ -8,8 +8,6 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from jaxlightning import distributed
 from jaxlightning.callbacks.base import Callback
 from jaxlightning.checkpoint import (
@@ -175,7 +173,7 @@ class ModelCheckpoint(Callback):
                 stacklevel=3,
             )
         if newer:
-            distributed.broadcast(np.int32(0))  # the others wait until they are moved
+            distributed.barrier()  # the others wait until they are moved
         self._records = [r for r in self._records if r["step"] <= start]
         self._update_best()
 

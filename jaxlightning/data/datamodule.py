@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from jaxlightning import distributed
 
 # Base classes whose loader methods are placeholders, not the user's code.
@@ -89,7 +87,7 @@ def prepare(datamodule: Any, stage: str) -> None:
     """``prepare_data`` on process 0 (the others wait), then ``setup(stage)``."""
     if distributed.is_rank_zero() and hasattr(datamodule, "prepare_data"):
         datamodule.prepare_data()
-    distributed.broadcast(np.int32(0))  # the others wait for the files
+    distributed.barrier()  # the others wait for the files
     if hasattr(datamodule, "setup"):
         datamodule.setup(stage)
 

@@ -123,10 +123,7 @@ class FitLoop:
             return None
         n -= skip
         if self.schedule.max_steps >= 0:  # batches left until the last update
-            k = self.program.options.accumulate_grad_batches
-            n = min(
-                n, (self.schedule.max_steps - self.progress.global_step) * k - self.progress.micro
-            )
+            n = min(n, self.progress.batches_until(self.schedule.max_steps))
         return n
 
     def _train_epoch(
@@ -144,11 +141,8 @@ class FitLoop:
         one due after the epoch's last batch: that one runs at the epoch's end,
         after its last logging interval is reported, as a once-per-epoch one does.
         """
-        progress, k = self.progress, self.program.options.accumulate_grad_batches
-        progress.epoch_completed = False
-        # The device numbers batches (1-based) as update * k + micro-batch: this
-        # epoch's batch 0 is number offset + 1 (an epoch starts at an update).
-        progress.epoch_offset = progress.global_step * k + progress.micro - skip
+        progress = self.progress
+        progress.start_epoch(skip)
         epoch_batches = self.pipeline.train_batches_per_epoch(loader)
         progress.num_training_batches = self.batches_left(loader, skip)
         self.validate_at_epoch_end = self.schedule.validate_at_epoch_end(epoch, epoch_batches)
@@ -163,7 +157,7 @@ class FitLoop:
             self.hooks("on_train_batch_start", module, batch_idx)
             self.program.train(batch)
             progress.train_samples_seen += batch.host.real
-            updated = progress.count_micro_batch(k)
+            updated = progress.count_micro_batch()
             progress.position = (epoch, batch_idx + 1)
             at_report = updated and progress.global_step % self.log_every_n_steps == 0
             if at_report:
@@ -174,10 +168,8 @@ class FitLoop:
             if val_loaders is not None and not self.stop.signum:  # else after resuming
                 self._validate_after(module, val_loaders, epoch, batch_idx + 1, epoch_batches)
         progress.epoch_completed = True
-        if progress.micro:  # an epoch ending between two updates updates with what it has
+        if progress.end_partial_update():  # an epoch ending between two updates
             self.program.flush()
-            progress.micro = 0
-            progress.global_step += 1
 
     def _validate_after(
         self, module: JaxModule, val_loaders: Any, epoch: int, done: int, total: int | None

@@ -267,12 +267,12 @@ class Program:
         """The train accumulator on the host (a sync); raises `NonFiniteLossError`
         when a step since the last reset had a non-finite loss."""
         acc = self.fetch(self._acc)
-        bad = int(acc.first_nonfinite)  # the batch's number: update * k + micro-batch
+        bad = int(acc.first_nonfinite)  # the device's number of the batch
         if bad and self.stop_on_nonfinite_loss:
-            step = (bad - 1) // self.options.accumulate_grad_batches + 1
+            step, batch = self.progress.where(bad)
             raise NonFiniteLossError(
                 f"the loss is not finite at step {step} (epoch "
-                f"{self.progress.current_epoch}, batch {bad - 1 - self.progress.epoch_offset}); "
+                f"{self.progress.current_epoch}, batch {batch}); "
                 "training stopped and no checkpoint of it was saved. Lower the learning rate, "
                 "clip gradients or check that batch; Trainer(stop_on_nonfinite_loss=False) "
                 "trains on regardless"

@@ -1,4 +1,9 @@
-"""Where a run is: the counters the loops advance and everything else reads."""
+"""Where a run is: the counters the loops advance and everything else reads.
+
+Also the one place the host counts micro-batches against optimizer updates
+(``accumulate_grad_batches``): the device numbers the batches it trains on,
+1-based, as ``update * k + micro-batch``, and ``global_step`` counts updates.
+"""
 
 from __future__ import annotations
 
@@ -12,19 +17,20 @@ class Progress:
     and callbacks.
 
     Attributes:
+        accumulate: micro-batches per optimizer update (``accumulate_grad_batches``).
         global_step: optimizer updates so far.
         current_epoch: completed epochs (moves on once an epoch completes).
         epoch_completed: whether the epoch just run reached its end.
-        micro: micro-batches since the last update (``accumulate_grad_batches``).
+        micro: micro-batches since the last update.
         position: ``(epoch, batch)`` of the next batch to train on: what a
             checkpoint records as the place to resume from.
-        epoch_offset: the device's number of the batch before this epoch's first
-            (the device numbers batches, 1-based, as ``update * k + micro``).
+        epoch_offset: the device's number of the batch before this epoch's first.
         train_samples_seen: real rows this process has trained on.
         num_training_batches: batches this epoch runs (``None``: unknown).
         num_eval_batches: batches of the evaluation running (``None``: unknown).
     """
 
+    accumulate: int = 1
     global_step: int = 0
     current_epoch: int = 0
     epoch_completed: bool = False
@@ -35,15 +41,42 @@ class Progress:
     num_training_batches: int | None = None
     num_eval_batches: int | None = None
 
-    def count_micro_batch(self, accumulate: int) -> bool:
-        """Counts a dispatched micro-batch; whether it completed an optimizer
-        update (every ``accumulate`` of them): ``global_step`` counts updates."""
+    def start_epoch(self, skip: int) -> None:
+        """An epoch starts (at its batch ``skip``, resumed): it is not complete,
+        and its batch 0 is the device's number ``epoch_offset + 1``."""
+        self.epoch_completed = False
+        self.epoch_offset = self.global_step * self.accumulate + self.micro - skip
+
+    def count_micro_batch(self) -> bool:
+        """Counts a dispatched micro-batch; whether it completed an update."""
         self.micro += 1
-        if self.micro < accumulate:
+        if self.micro < self.accumulate:
             return False
         self.micro = 0
         self.global_step += 1
         return True
+
+    def end_partial_update(self) -> bool:
+        """At an epoch's end: whether micro-batches wait for an update, which
+        then counts (Lightning updates with what an epoch leaves over)."""
+        if not self.micro:
+            return False
+        self.micro = 0
+        self.global_step += 1
+        return True
+
+    def batches_until(self, max_steps: int) -> int:
+        """Micro-batches left until update ``max_steps``."""
+        return (max_steps - self.global_step) * self.accumulate - self.micro
+
+    def updates_in(self, batches: int) -> int:
+        """Updates an epoch of ``batches`` micro-batches makes (the last partial)."""
+        return -(-batches // self.accumulate)
+
+    def where(self, batch_number: int) -> tuple[int, int]:
+        """``(update, batch of this epoch)`` of the device's batch number."""
+        update = (batch_number - 1) // self.accumulate + 1
+        return update, batch_number - 1 - self.epoch_offset
 
     def resume_at(self, epoch: int, batch: int, global_step: int) -> None:
         """Continues from a checkpoint's record."""

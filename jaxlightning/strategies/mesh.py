@@ -223,10 +223,21 @@ class MeshStrategy(ShardMapStrategy):
         return P()
 
     def precompile(self, compiled: Callable[..., Any], *example: Any) -> Callable[..., Any]:
-        # No compile ahead: the example arguments are unplaced shapes, while the
-        # step is called with the planned layout, so a program compiled ahead
-        # for them would be thrown away at the first call.
-        return compiled
+        """The train step compiled ahead for the planned layout: the example
+        state and accumulator are shapes, given the shardings they will be
+        called with (state as planned, accumulator replicated); the batches
+        are placed already."""
+        if jax.process_count() > 1 or self._state_shardings is None:
+            return compiled  # in step on every process: the first call compiles
+        state, acc, *batch = example
+
+        def placed(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+            dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+            return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
+
+        state = jax.tree.map(placed, state, self._state_shardings)
+        acc = jax.tree.map(lambda x: placed(x, self._replicated), acc)
+        return super().precompile(compiled, state, acc, *batch)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mesh={dict(self.mesh.shape)})"
