@@ -353,9 +353,28 @@ def restore(path: str | os.PathLike[str], target: Any | None = None) -> Any:
             .state
         )
     except Exception as exc:
-        raise CheckpointError(f"could not read checkpoint {path}: {exc}") from exc
+        raise _read_error(path, exc) from exc
     _verify(path, state)
     return state if target is None else flax.serialization.from_state_dict(target, state)
+
+
+_UNREADABLE_ARRAY = re.compile(r'Error reading "([^"/]+)/')
+
+
+def _read_error(path: str, exc: Exception) -> CheckpointError:
+    """What failed to restore: bytes that no longer decode (a flipped block in a
+    compressed chunk, caught by the compressor's own check) are corruption,
+    named like a checksum mismatch; anything else is reported as it is."""
+    message = str(exc)
+    found = _UNREADABLE_ARRAY.search(message)
+    damaged = any(w in message for w in ("corrupt", "DATA_LOSS", "checksum verification failed"))
+    if damaged and found:
+        key = found.group(1).replace(".", "/")
+        return CheckpointError(
+            f"checkpoint {path} is corrupt: array '{key}' cannot be decoded (its bytes "
+            f"changed on disk: {exc}). Resume from an older checkpoint"
+        )
+    return CheckpointError(f"could not read checkpoint {path}: {exc}")
 
 
 def _verify(path: str, state: Any) -> None:

@@ -229,7 +229,7 @@ class Trainer:
         )
         self.datamodule: Any = None
         self.stage: str | None = None  # "fit", "validate", "test" or "predict" while running
-        self._train_loader: Any = None  # fit's, for estimated_stepping_batches
+        self._epoch_batches: tuple[int | None] | None = None  # fit's, once known
 
         # The components, each given what it may touch.
         self._progress = progress = Progress(accumulate=options.accumulate_grad_batches)
@@ -307,9 +307,9 @@ class Trainer:
         """The optimizer steps this fit will take, from ``max_epochs`` (and the
         limited batches per epoch) and ``max_steps``; ``inf`` when unbounded.
         Readable in ``configure_optimizers`` to size schedules."""
-        if self._train_loader is None:
+        if self._epoch_batches is None:
             raise RuntimeError("estimated_stepping_batches is known once fit has its loaders")
-        batches = self._pipeline.train_batches_per_epoch(self._train_loader)
+        (batches,) = self._epoch_batches
         updates = None if batches is None else self._progress.updates_in(batches)
         return self.schedule.estimated_steps(updates)
 
@@ -404,7 +404,7 @@ class Trainer:
         manual = checks.fit_module(module, self._program.options)
         if val is not None:
             checks.module_hooks(module, eval_hook(module, "validation"))
-        self._train_loader = train
+        self._epoch_batches = (self._pipeline.train_batches_per_epoch(train),)
         tx = checks.fit_optimizer(module, manual, self._program.options, self.callbacks)
         if self.max_epochs != 1:
             checks.reiterable(train, "train_dataloaders", passes="once per epoch")

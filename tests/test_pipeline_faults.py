@@ -127,3 +127,23 @@ def test_state_read_in_a_callback_stays_valid_after_later_steps():
         np.testing.assert_array_equal(leaf, copy)
     for leaf, copy in zip(jax.tree.leaves(keep.state.params), copies, strict=True):
         np.testing.assert_array_equal(np.asarray(leaf), copy)
+
+
+def test_a_loader_the_user_drops_is_not_kept_alive_by_the_trainer():
+    """The pipeline builds its own loader once per user loader (so persistent
+    workers persist), but holds it only while the user holds theirs."""
+    import gc
+    import weakref
+
+    from tests.helpers import LitMLP, quiet_trainer
+
+    trainer = quiet_trainer(max_epochs=1)
+    model = LitMLP()
+    loader = _digits_loader(256)
+    trainer.fit(model, loader, loader)
+    out = trainer.predict(model, loader)
+    assert out["logits"].shape == (len(loader.dataset), 10)
+    dropped = weakref.ref(loader)
+    del loader
+    gc.collect()
+    assert dropped() is None

@@ -13,6 +13,7 @@ everything between a user's loader and a step's arguments:
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -91,8 +92,9 @@ class Pipeline:
         self.seed = seed
         self.own_order = own_order
         self.shuffle_train = shuffle_train
-        # (user loader, role) -> (user loader, what the Trainer iterates for it)
-        self._wrapped: dict[tuple[int, str], tuple[Any, Any]] = {}
+        # user loader -> {role: what the Trainer iterates for it}; weak, so a
+        # loader the user drops is not kept alive (with its workers) by the Trainer
+        self._wrapped: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
     # ---------------------------------------------------------------- counts
     def train_batches_per_epoch(self, loader: Any) -> int | None:
@@ -164,14 +166,19 @@ class Pipeline:
 
     # -------------------------------------------------------------- internals
     def _wrap(self, loader: Any, role: str, make: Any) -> Any:
-        """``make(loader)``, built once per loader and role."""
-        key = (id(loader), role)
-        entry = self._wrapped.get(key)
-        if entry is None or entry[0] is not loader:
+        """``make(loader)``, built once per loader and role (while the user keeps
+        the loader)."""
+        try:
+            roles = self._wrapped.setdefault(loader, {})
+        except TypeError:  # not weakly referenceable (a list of batches): nothing to keep
+            return make(loader)
+        if role not in roles:
             make_fork_safe(loader)
-            entry = (loader, make(loader))
-            self._wrapped[key] = entry
-        return entry[1]
+            wrapped = make(loader)
+            if wrapped is loader:  # kept by the user already; a self-reference would pin it
+                return loader
+            roles[role] = wrapped
+        return roles[role]
 
     def _ordered(
         self, loader: Any, role: str, epoch: int, skip: int, shuffle: bool | None
