@@ -188,7 +188,8 @@ def test_bytes_that_no_longer_decode_are_reported_as_corruption_of_that_array():
     )
     error = _read_error("/ckpt/4", ValueError(seen))
     array = "state/opt_state/0/mu/Dense_0/kernel"
-    assert str(error).startswith(f"checkpoint /ckpt/4 is corrupt: array '{array}' cannot be decoded")
+    expected = f"checkpoint /ckpt/4 is corrupt: array '{array}' cannot be decoded"
+    assert str(error).startswith(expected)
     other = _read_error("/ckpt/4", OSError("Permission denied"))
     assert str(other) == "could not read checkpoint /ckpt/4: Permission denied"
 
