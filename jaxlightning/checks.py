@@ -123,10 +123,10 @@ _LIGHTNING_ONLY = {
     "forward": "call your flax module in loss/eval_step/predict_step",
     "training_epoch_end": "use a Callback with on_train_epoch_end(trainer, module)",
     "validation_epoch_end": "use a Callback with on_validation_end(trainer, module)",
-    "on_train_batch_end": "use a Callback with on_train_batch_end(trainer, module, batch_idx)",
     "on_before_backward": "there is no backward pass to hook: transform gradients with optax",
     "on_after_backward": "there is no backward pass to hook: transform gradients with optax",
     "on_before_optimizer_step": "transform gradients with optax (e.g. optax.chain)",
+    "on_before_zero_grad": "there are no gradients to zero: each step computes them afresh",
     "configure_gradient_clipping": "use optax.clip_by_global_norm in configure_optimizers",
     "lr_scheduler_step": "pass an optax schedule as the optimizer's learning rate",
     "prepare_data": "prepare data before calling fit",
@@ -177,6 +177,30 @@ def lightning_hooks(module: Any) -> None:
             )
 
 
+_BATCH_HOOKS = tuple(
+    f"on_{stage}_batch_{when}"
+    for stage in ("train", "validation", "test", "predict")
+    for when in ("start", "end")
+)
+
+
+def batch_hook_signatures(module: Any) -> None:
+    """Refuses a module batch hook written with Lightning's arguments: here the
+    hook gets ``batch_idx`` only (the batch is on the devices, the outputs in
+    the compiled step)."""
+    for hook in _BATCH_HOOKS:
+        method = getattr(type(module), hook, None)
+        if method is None or not type(module)._overrides(hook):
+            continue
+        params = [p for p in inspect.signature(method).parameters if p != "self"]
+        if len(params) != 1:
+            raise TypeError(
+                f"{type(module).__name__}.{hook}({', '.join(params)}): here the hook is "
+                f"{hook}(self, batch_idx). The batch lives on the devices and the outputs "
+                "in the compiled step: log what you need with self.log in loss/eval_step"
+            )
+
+
 def module_hooks(module: Any, *hooks: str) -> None:
     """Refuses a module that is no `JaxModule`, skipped ``super().__init__()`` or
     lacks a hook the Trainer needs; warns for Lightning-only hooks."""
@@ -193,6 +217,7 @@ def module_hooks(module: Any, *hooks: str) -> None:
                 f"needs it here. See JaxModule.{hook} for its signature"
             )
     lightning_signatures(module, hooks)
+    batch_hook_signatures(module)
     lightning_hooks(module)
 
 

@@ -264,6 +264,7 @@ class Trainer:
     train_samples_seen = _read("_progress", "train_samples_seen", "Real rows trained on here.")
     num_training_batches = _read("_progress", "num_training_batches", "Batches of this epoch.")
     num_eval_batches = _read("_progress", "num_eval_batches", "Batches of this evaluation.")
+    sanity_checking = _read("_progress", "sanity_checking", "In the sanity check's validation.")
     callback_metrics = _read("_reporter", "callback_metrics", "Every reported value, by name.")
     logged_metrics = _read("_reporter", "logged_metrics", "The values last sent to loggers.")
     progress_bar_metrics = _read("_reporter", "progress_bar_metrics", "The bar's values.")
@@ -402,6 +403,8 @@ class Trainer:
 
     def _fit(self, module: JaxModule, train: Any, val: Any, ckpt_path: Any) -> None:
         manual = checks.fit_module(module, self._program.options)
+        if val is not None and not self._evaluation.has_batches("validation", val):
+            val = None  # limit_val_batches=0: validation is off
         if val is not None:
             checks.module_hooks(module, eval_hook(module, "validation"))
         self._epoch_batches = (self._pipeline.train_batches_per_epoch(train),)

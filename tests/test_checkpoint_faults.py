@@ -86,6 +86,8 @@ class Scores(jl.Callback):
         self.values, self.i = list(values), 0
 
     def on_validation_end(self, trainer, module):
+        if trainer.sanity_checking:  # its values are discarded
+            return
         trainer.callback_metrics["score"] = self.values[self.i]
         self.i += 1
 

@@ -18,7 +18,8 @@ class Count(jl.Callback):
         self.val_ends, self.val_batches, self.test_batches = [], 0, 0
 
     def on_validation_end(self, trainer, module):
-        self.val_ends.append(trainer.global_step)
+        if not trainer.sanity_checking:  # the sanity check's validation runs its hooks too
+            self.val_ends.append(trainer.global_step)
 
     def on_validation_batch_end(self, trainer, module, batch_idx):
         self.val_batches += 1

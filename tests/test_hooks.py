@@ -75,25 +75,28 @@ class HookedModule(LitMLP):
         return object.__getattribute__(self, name)
 
 
+VALIDATION = [
+    "cb.on_validation_start",
+    "cb.on_validation_epoch_start",
+    "module.on_validation_epoch_start",
+    "cb.on_validation_epoch_end",
+    "module.on_validation_epoch_end",
+    "cb.on_validation_end",
+]
+
+
 def _epoch(val=True, save=True):
     steps = ["cb.on_train_batch_start", "cb.on_train_batch_end"] * 2
-    validation = [
-        "cb.on_validation_start",
-        "cb.on_validation_epoch_start",
-        "module.on_validation_epoch_start",
-        "cb.on_validation_epoch_end",
-        "module.on_validation_epoch_end",
-        "cb.on_validation_end",
-    ]
+    validation = VALIDATION
     return [
         "cb.on_train_epoch_start",
         "module.on_train_epoch_start",
         *steps,
         *(validation if val else []),
         "cb.on_train_epoch_end",
-        # the default ModelCheckpoint, a callback after Record, saves here
-        *(["cb.on_save_checkpoint", "module.on_save_checkpoint"] if save else []),
         "module.on_train_epoch_end",
+        # then the monitoring callbacks: the ModelCheckpoint saves here
+        *(["cb.on_save_checkpoint", "module.on_save_checkpoint"] if save else []),
     ]
 
 
@@ -112,6 +115,7 @@ def test_hooks_run_in_the_documented_order_through_fit_validate_test_and_resume(
     module = HookedModule(calls)
     first.fit(module, train, val)
     fit_start = ["cb.setup(fit)", "cb.on_fit_start", "module.on_fit_start"]
+    fit_start += VALIDATION  # the sanity check's, with its hooks as in Lightning
     fit_start += ["cb.on_train_start", "module.on_train_start"]
     fit_end = ["cb.on_train_end", "module.on_train_end", "cb.on_fit_end", "module.on_fit_end"]
     expected = [*fit_start, *_epoch(), *_epoch(), *fit_end, "cb.teardown(fit)"]
@@ -141,7 +145,7 @@ def test_hooks_run_in_the_documented_order_through_fit_validate_test_and_resume(
 
     calls.clear()
     trainer(3).fit(HookedModule(calls), train, val, ckpt_path="last")
-    resumed = ["cb.setup(fit)", "cb.on_load_checkpoint", "module.on_load_checkpoint"]
+    resumed = ["cb.setup(fit)", "module.on_load_checkpoint", "cb.on_load_checkpoint"]
     resumed += fit_start[1:]
     assert calls == [*resumed, *_epoch(), *fit_end, "cb.teardown(fit)"]
 
@@ -245,6 +249,26 @@ def test_a_lightning_datamodule_works_as_datamodule():
     out = trainer.predict(model, datamodule=dm)
     assert out["logits"].shape == (40, 10) and 0 <= result["test/acc"] <= 1
     assert dm.stages == ["fit", "test", "predict"]
+
+
+def test_a_datamodule_is_asked_for_its_validation_loader_first():
+    # Lightning's models/test_hooks.py: val_dataloader (for the sanity check)
+    # comes before train_dataloader.
+    class Asked(jl.DataModule):
+        def __init__(self):
+            self.asked = []
+
+        def train_dataloader(self):
+            self.asked.append("train")
+            return loader(*digits(32), 16)
+
+        def val_dataloader(self):
+            self.asked.append("val")
+            return loader(*digits(32), 16)
+
+    dm = Asked()
+    quiet_trainer(max_epochs=1).fit(LitMLP(), datamodule=dm)
+    assert dm.asked == ["val", "train"]
 
 
 def test_a_jaxlightning_datamodule_state_is_checkpointed(tmp_path):

@@ -102,6 +102,7 @@ def test_callbacks_called_in_order(run):
     _, _, _, recorder, _ = run
     assert recorder.calls == [
         "fit_start",
+        "val_end",  # the sanity check's validation calls its hooks, as in Lightning
         "val_end",
         "epoch_end_0",
         "val_end",

@@ -18,20 +18,29 @@ class Callback:
     For each hook the callbacks run first, in order, then the module's hook of
     the same name where the module has one (`JaxModule` lists them).
 
-    Order within `fit`: ``setup("fit")``, ``on_fit_start``, (the sanity check:
-    no hooks), ``on_train_start``; per epoch ``on_train_epoch_start``, per step
-    ``on_train_batch_start`` before it is dispatched and ``on_train_batch_end``
-    after, the epoch's validation, ``on_train_epoch_end``; then
-    ``on_train_end``, ``on_fit_end`` and ``teardown("fit")``. Each evaluation
-    (``validation``, ``test``) calls ``on_<stage>_start``,
-    ``on_<stage>_epoch_start``, ``on_<stage>_batch_end`` per batch,
+    The order is Lightning's (its ``models/test_hooks.py`` call lists, translated
+    in ``tests/test_hook_order.py``). Within `fit`: ``setup("fit")``, (resuming:
+    the module's ``on_load_checkpoint``, the callbacks' ``on_load_checkpoint``,
+    then their `load_state_dict`), ``on_fit_start``, ``on_sanity_check_start``,
+    the sanity check's validation with all its hooks (``trainer.sanity_checking``
+    is true; its values are discarded), ``on_sanity_check_end``,
+    ``on_train_start``; per epoch ``on_train_epoch_start`` (not again when a run
+    resumes mid-epoch), per step ``on_train_batch_start`` before it is
+    dispatched and ``on_train_batch_end`` after, validations when due,
+    ``on_train_epoch_end`` (other callbacks, the module, then the monitoring
+    callbacks `ModelCheckpoint` and `EarlyStopping`, so they see what the
+    module logged there); then ``on_train_end``, ``on_fit_end`` and
+    ``teardown("fit")``. Each evaluation (``validation``, ``test``) calls
+    ``on_<stage>_start``, ``on_<stage>_epoch_start``, per batch
+    ``on_<stage>_batch_start`` and ``on_<stage>_batch_end``,
     ``on_<stage>_epoch_end`` and ``on_<stage>_end``; its values are in
-    ``trainer.callback_metrics`` from ``on_<stage>_epoch_end`` on. `validate`,
-    `test` and `predict` are wrapped in ``setup``/``teardown`` with their stage
-    (``"validate"``, ``"test"``, ``"predict"``). A call that fails calls
-    ``on_exception``, then ``teardown`` (which always runs). A checkpoint's
-    JSON record passes through ``on_save_checkpoint`` (add JSON-serialisable
-    entries to it) and, when a run resumes, ``on_load_checkpoint``.
+    ``trainer.callback_metrics`` from ``on_<stage>_epoch_end`` on. `predict`
+    calls the same with ``predict``. `validate`, `test` and `predict` are
+    wrapped in ``setup``/``teardown`` with their stage (``"validate"``,
+    ``"test"``, ``"predict"``); with no batches (``limit_val_batches=0``, say)
+    only these two run. A call that fails calls ``on_exception``, then
+    ``teardown`` (which always runs). A checkpoint's JSON record passes through
+    ``on_save_checkpoint`` (add JSON-serialisable entries to it).
 
     A stateful callback returns its state from `state_dict`; it is saved in
     checkpoints and handed back to `load_state_dict` when a run resumes.
@@ -48,6 +57,8 @@ class Callback:
 
     def on_fit_start(self, trainer: TrainerView, module: JaxModule) -> None: ...
     def on_fit_end(self, trainer: TrainerView, module: JaxModule) -> None: ...
+    def on_sanity_check_start(self, trainer: TrainerView, module: JaxModule) -> None: ...
+    def on_sanity_check_end(self, trainer: TrainerView, module: JaxModule) -> None: ...
     def on_train_start(self, trainer: TrainerView, module: JaxModule) -> None: ...
     def on_train_end(self, trainer: TrainerView, module: JaxModule) -> None: ...
     def on_train_epoch_start(self, trainer: TrainerView, module: JaxModule) -> None: ...
@@ -60,6 +71,9 @@ class Callback:
     def on_train_epoch_end(self, trainer: TrainerView, module: JaxModule) -> None: ...
     def on_validation_start(self, trainer: TrainerView, module: JaxModule) -> None: ...
     def on_validation_epoch_start(self, trainer: TrainerView, module: JaxModule) -> None: ...
+    def on_validation_batch_start(
+        self, trainer: TrainerView, module: JaxModule, batch_idx: int
+    ) -> None: ...
     def on_validation_batch_end(
         self, trainer: TrainerView, module: JaxModule, batch_idx: int
     ) -> None: ...
@@ -67,15 +81,23 @@ class Callback:
     def on_validation_end(self, trainer: TrainerView, module: JaxModule) -> None: ...
     def on_test_start(self, trainer: TrainerView, module: JaxModule) -> None: ...
     def on_test_epoch_start(self, trainer: TrainerView, module: JaxModule) -> None: ...
+    def on_test_batch_start(
+        self, trainer: TrainerView, module: JaxModule, batch_idx: int
+    ) -> None: ...
     def on_test_batch_end(
         self, trainer: TrainerView, module: JaxModule, batch_idx: int
     ) -> None: ...
     def on_test_epoch_end(self, trainer: TrainerView, module: JaxModule) -> None: ...
     def on_test_end(self, trainer: TrainerView, module: JaxModule) -> None: ...
     def on_predict_start(self, trainer: TrainerView, module: JaxModule) -> None: ...
+    def on_predict_epoch_start(self, trainer: TrainerView, module: JaxModule) -> None: ...
+    def on_predict_batch_start(
+        self, trainer: TrainerView, module: JaxModule, batch_idx: int
+    ) -> None: ...
     def on_predict_batch_end(
         self, trainer: TrainerView, module: JaxModule, batch_idx: int
     ) -> None: ...
+    def on_predict_epoch_end(self, trainer: TrainerView, module: JaxModule) -> None: ...
     def on_predict_end(self, trainer: TrainerView, module: JaxModule) -> None: ...
     def on_exception(
         self, trainer: TrainerView, module: JaxModule, exception: BaseException

@@ -129,8 +129,11 @@ class ModelCheckpoint(Callback):
             self.save(trainer, module)
 
     def on_train_epoch_end(self, trainer: TrainerView, module: JaxModule) -> None:
+        # Also at the end of an epoch cut short (max_steps, should_stop), as
+        # Lightning does: the checkpoint records the batch to resume from.
         n = self.every_n_epochs
-        if n is not None and trainer.epoch_completed and (trainer.current_epoch + 1) % n == 0:
+        due = n is not None and (trainer.current_epoch + 1) % n == 0
+        if due and self._latest_step() != trainer.global_step:
             self.save(trainer, module)
 
     def on_fit_end(self, trainer: TrainerView, module: JaxModule) -> None:

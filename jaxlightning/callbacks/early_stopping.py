@@ -76,7 +76,12 @@ class EarlyStopping(Callback):
         return value < than if self.mode == "min" else value > than
 
     def on_validation_end(self, trainer: TrainerView, module: JaxModule) -> None:
-        if not self.check_on_train_epoch_end and trainer.stage == "fit":
+        # the sanity check's values are discarded: nothing to judge there
+        if (
+            not self.check_on_train_epoch_end
+            and trainer.stage == "fit"
+            and not trainer.sanity_checking
+        ):
             self._check(trainer)
 
     def on_train_epoch_end(self, trainer: TrainerView, module: JaxModule) -> None:

@@ -28,6 +28,10 @@ class TrainerView(Protocol):
         """``"fit"``, ``"validate"``, ``"test"`` or ``"predict"`` while running."""
 
     @property
+    def sanity_checking(self) -> bool:
+        """Whether the validation running is the sanity check before training."""
+
+    @property
     def global_step(self) -> int: ...
     @property
     def current_epoch(self) -> int: ...

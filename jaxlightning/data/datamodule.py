@@ -106,12 +106,13 @@ def stage_loaders(stage: str, dataloaders: Any, datamodule: Any) -> Any:
 
 def fit_loaders(train: Any, val: Any, datamodule: Any) -> tuple[Any, Any]:
     """The training and validation loaders of a ``fit`` call: given, or the
-    datamodule's (not both)."""
+    datamodule's (not both; ``val_dataloader`` asked first, as Lightning does:
+    the sanity check runs before training)."""
     if datamodule is not None:
         if train is not None or val is not None:
             raise ValueError("pass either dataloaders or datamodule= to fit, not both")
-        train = loaders(datamodule, "train", required=True)
         val = loaders(datamodule, "validation", required=False)
+        train = loaders(datamodule, "train", required=True)
     if train is None:
         raise TypeError("fit needs train_dataloaders (or datamodule=...)")
     return train, val

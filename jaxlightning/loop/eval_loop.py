@@ -69,7 +69,10 @@ class EvalLoop:
         self, stage: str, module: JaxModule, dataloaders: Any, ckpt_path: Any
     ) -> list[dict[str, float]]:
         """A `validate` or `test` call: the evaluation, then the loggers finalized
-        (quietly when the evaluation failed: its error is the one to see)."""
+        (quietly when the evaluation failed: its error is the one to see). With
+        no batches to run (``limit_val_batches=0``, say), nothing: ``[]``."""
+        if not self.has_batches(stage, dataloaders):
+            return []
         try:
             results = self.evaluate(stage, module, dataloaders, ckpt_path)
         except BaseException:
@@ -77,6 +80,11 @@ class EvalLoop:
             raise
         self.reporter.finalize()
         return results
+
+    def has_batches(self, stage: str, dataloaders: Any) -> bool:
+        """Whether an evaluation of ``stage`` would run any batch (a loader of
+        unknown length may)."""
+        return any(self.pipeline.eval_batches(stage, ld) != 0 for ld in as_list(dataloaders))
 
     def evaluate(
         self,
@@ -90,34 +98,30 @@ class EvalLoop:
     ) -> list[dict[str, float]]:
         """Evaluates every loader; returns their ``val/...`` (or ``test/...``) values.
 
-        With ``publish``, calls the stage's callback hooks and hands the values
-        to the reporter, so they are in ``callback_metrics`` before
-        ``on_<stage>_end`` runs. Without it (the sanity check), only runs the
-        batches (at most ``limit`` per loader) and returns nothing.
+        Calls the stage's hooks in Lightning's order; the values go to the
+        reporter, so they are in ``callback_metrics`` before
+        ``on_<stage>_epoch_end`` runs. Without ``publish`` (the sanity check: at
+        most ``limit`` batches per loader, inside `Reporter.discarding`) nothing
+        is returned.
         """
         loaders = as_list(dataloaders)
         counts = [self.pipeline.eval_batches(stage, ld, limit) for ld in loaders]
         self.progress.num_eval_batches = None if None in counts else sum(counts)  # type: ignore[arg-type]
-        if publish:
-            self.hooks(f"on_{stage}_start", module)
-            self.hooks(f"on_{stage}_epoch_start", module)
+        self.hooks(f"on_{stage}_start", module)
+        self.hooks(f"on_{stage}_epoch_start", module)
         prefix = _STAGE_PREFIX[stage]
         results, everything = [], Report()
         for i, loader in enumerate(loaders):
             suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""
             checkpoint = ckpt_path if i == 0 else None
-            metrics, options = self._evaluate_loader(
-                stage, module, loader, checkpoint, counts[i], publish
-            )
+            metrics, options = self._evaluate_loader(stage, module, loader, checkpoint, counts[i])
             values = report(prefix, options, metrics, "epoch", suffix)
             results.append(values.values)
             everything.update(values)
-        if not publish:
-            return []
         self.reporter.publish(everything)
         self.hooks(f"on_{stage}_epoch_end", module)
         self.hooks(f"on_{stage}_end", module)
-        return results
+        return results if publish else []
 
     def _variables(self, module: JaxModule, first: Any, ckpt_path: Any) -> Any:
         checkpoint = None if ckpt_path is None else self.resolve_checkpoint(ckpt_path)
@@ -142,17 +146,16 @@ class EvalLoop:
         loader: Any,
         ckpt_path: Any,
         limit: int | None,
-        publish: bool,
     ) -> tuple[Metrics, dict[str, LogOptions]]:
         hook = eval_hook(module, stage)
         with self.pipeline.eval_pass(loader, f"the {stage} dataloader", limit) as batches:
             variables = self._variables(module, batches.first, ckpt_path)
             eval_step, acc, options = self.program.eval_step(module, hook, batches.first, variables)
             for batch_idx, batch in enumerate(batches):
+                self.hooks(f"on_{stage}_batch_start", module, batch_idx)
                 acc = eval_step(variables, acc, batch.data, batch.mask)
                 self.program.throttle(acc)
-                if publish:
-                    self.hooks(f"on_{stage}_batch_end", module, batch_idx)
+                self.hooks(f"on_{stage}_batch_end", module, batch_idx)
             self.program.drain()
         return self.program.fetch(acc), options
 
@@ -160,35 +163,37 @@ class EvalLoop:
     def predict(self, module: JaxModule, dataloaders: Any, ckpt_path: Any) -> Any:
         """``predict_step`` outputs, one row per dataset example (a list of
         those for a list of loaders)."""
-        if isinstance(dataloaders, (list, tuple)):
-            return [
-                self._predict_loader(module, d, ckpt_path if i == 0 else None)
-                for i, d in enumerate(dataloaders)
-            ]
-        return self._predict_loader(module, dataloaders, ckpt_path)
-
-    def _predict_loader(self, module: JaxModule, loader: Any, ckpt_path: Any) -> Any:
-        loader = self.pipeline.predict_loader(loader)
-        limit = self.pipeline.eval_batches("predict", loader)
         if self.pipeline.schedule.limit_predict_batches is not None and jax.process_count() > 1:
             raise ValueError(
                 "limit_predict_batches is not supported in a multi-process run (predict "
                 "returns one row per dataset example); limit the dataset instead"
             )
-        self.progress.num_eval_batches = limit
+        loaders = [self.pipeline.predict_loader(d) for d in as_list(dataloaders)]
+        limits = [self.pipeline.eval_batches("predict", ld) for ld in loaders]
+        self.progress.num_eval_batches = None if None in limits else sum(limits)  # type: ignore[arg-type]
         self.hooks("on_predict_start", module)
+        self.hooks("on_predict_epoch_start", module)
+        outputs = [
+            self._predict_loader(module, ld, ckpt_path if i == 0 else None, limits[i])
+            for i, ld in enumerate(loaders)
+        ]
+        self.hooks("on_predict_epoch_end", module)
+        self.hooks("on_predict_end", module)
+        return outputs if isinstance(dataloaders, (list, tuple)) else outputs[0]
+
+    def _predict_loader(self, module: JaxModule, loader: Any, ckpt_path: Any, limit: Any) -> Any:
         strategy = self.program.strategy
         with self.pipeline.eval_pass(loader, "the predict dataloader", limit) as batches:
             variables = self._variables(module, batches.first, ckpt_path)
             predict_step = self.program.predict_step(module)
             outputs = []
             for batch_idx, batch in enumerate(batches):
+                self.hooks("on_predict_batch_start", module, batch_idx)
                 out = predict_step(variables, batch.data, batch.mask)
                 self.program.throttle(out)
                 outputs.append((out, batch.host.real))
                 self.hooks("on_predict_batch_end", module, batch_idx)
             self.program.drain()
-        self.hooks("on_predict_end", module)
         if jax.process_count() > 1:
             return self._assemble(loader, [strategy.gather(o) for o, _ in outputs])
         rows = [jax.tree.map(lambda x, n=n: x[:n], strategy.gather(o)) for o, n in outputs]

@@ -100,7 +100,7 @@ class FitLoop:
                         if val_loaders is not None and self.validate_at_epoch_end:
                             self.evaluation.evaluate("validation", module, val_loaders)
                         self.progress.position = (epoch + 1, 0)
-                    self.hooks("on_train_epoch_end", module)
+                    self.hooks.train_epoch_end(module)
                     if self.progress.epoch_completed:
                         self.progress.current_epoch = epoch + 1
                     if self.stop.stopping():
@@ -146,7 +146,8 @@ class FitLoop:
         epoch_batches = self.pipeline.train_batches_per_epoch(loader)
         progress.num_training_batches = self.batches_left(loader, skip)
         self.validate_at_epoch_end = self.schedule.validate_at_epoch_end(epoch, epoch_batches)
-        self.hooks("on_train_epoch_start", module)
+        if not skip:  # a run resumed mid-epoch continues the epoch its checkpoint began
+            self.hooks("on_train_epoch_start", module)
         # A run resumed from a checkpoint taken after batch `skip` (before any
         # validation due there) runs that validation first, as the run it continues did.
         if skip and val_loaders is not None:
@@ -184,11 +185,22 @@ class FitLoop:
             self.evaluation.evaluate("validation", module, val_loaders)
 
     def _sanity_check(self, module: JaxModule, val_loaders: Any) -> None:
-        """A few validation batches before training, results discarded."""
+        """A few validation batches before training, with their hooks
+        (``trainer.sanity_checking`` meanwhile); their values reach
+        ``callback_metrics`` but no logger, and are discarded afterwards."""
         if val_loaders is None or self.num_sanity_val_steps == 0:
             return
         limit = None if self.num_sanity_val_steps < 0 else self.num_sanity_val_steps
-        self.evaluation.evaluate("validation", module, val_loaders, limit=limit, publish=False)
+        self.hooks("on_sanity_check_start", module)
+        self.progress.sanity_checking = True
+        try:
+            with self.reporter.discarding():
+                self.evaluation.evaluate(
+                    "validation", module, val_loaders, limit=limit, publish=False
+                )
+        finally:
+            self.progress.sanity_checking = False
+        self.hooks("on_sanity_check_end", module)
 
     def _report_train(self) -> None:
         """Reports the values of this logging interval and starts the next one."""

@@ -5,26 +5,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jaxlightning.callbacks import Callback
+from jaxlightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from jaxlightning.module import JaxModule
 
-# JaxModule hooks the Trainer calls after the callbacks' hooks of the same name.
+_STAGES = ("train", "validation", "test", "predict")
+
+# JaxModule hooks the Trainer calls after the callbacks' hooks of the same name
+# (Lightning's order, its models/test_hooks.py call lists).
 MODULE_HOOKS = frozenset(
     {
         "on_fit_start",
         "on_fit_end",
         "on_train_start",
         "on_train_end",
-        "on_train_epoch_start",
-        "on_train_epoch_end",
-        "on_validation_epoch_start",
-        "on_validation_epoch_end",
-        "on_test_epoch_start",
-        "on_test_epoch_end",
+        *(f"on_{s}_{when}" for s in _STAGES for when in ("start", "end")),
+        *(f"on_{s}_epoch_{when}" for s in _STAGES for when in ("start", "end")),
+        *(f"on_{s}_batch_{when}" for s in _STAGES for when in ("start", "end")),
         "on_save_checkpoint",
         "on_load_checkpoint",
     }
 )
+
+
+def _monitors(callback: Callback) -> bool:
+    """Whether ``callback`` acts on monitored values (checkpointing, early stopping):
+    at a train epoch's end it runs after the module, which may log them there."""
+    return isinstance(callback, (ModelCheckpoint, EarlyStopping))
 
 
 class Hooks:
@@ -41,12 +47,25 @@ class Hooks:
 
     def __call__(self, hook: str, module: JaxModule, *args: Any) -> None:
         """The callbacks' ``hook``, in order, then the module's (Lightning's order)."""
-        for callback in self.callbacks:
+        self._callbacks(hook, module, self.callbacks, *args)
+        if hook in MODULE_HOOKS:
+            getattr(module, hook)(*args)
+
+    def train_epoch_end(self, module: JaxModule) -> None:
+        """``on_train_epoch_end``: the callbacks, the module, then the monitoring
+        callbacks, so that `ModelCheckpoint` and `EarlyStopping` see what the
+        module logged in its hook (Lightning's order)."""
+        others = [c for c in self.callbacks if not _monitors(c)]
+        self._callbacks("on_train_epoch_end", module, others)
+        module.on_train_epoch_end()
+        monitoring = [c for c in self.callbacks if _monitors(c)]
+        self._callbacks("on_train_epoch_end", module, monitoring)
+
+    def _callbacks(self, hook: str, module: JaxModule, callbacks: Any, *args: Any) -> None:
+        for callback in callbacks:
             fn = getattr(callback, hook, None)
             if fn is not None:
                 fn(self.view, module, *args)
-        if hook in MODULE_HOOKS:
-            getattr(module, hook)(*args)
 
     def of_type(self, kind: type) -> list[Any]:
         """The callbacks that are instances of ``kind``."""

@@ -28,6 +28,7 @@ class Progress:
         train_samples_seen: real rows this process has trained on.
         num_training_batches: batches this epoch runs (``None``: unknown).
         num_eval_batches: batches of the evaluation running (``None``: unknown).
+        sanity_checking: the validation running is the sanity check before training.
     """
 
     accumulate: int = 1
@@ -40,6 +41,7 @@ class Progress:
     train_samples_seen: int = 0
     num_training_batches: int | None = None
     num_eval_batches: int | None = None
+    sanity_checking: bool = False
 
     def start_epoch(self, skip: int) -> None:
         """An epoch starts (at its batch ``skip``, resumed): it is not complete,

@@ -8,9 +8,10 @@ hands them out.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from jaxlightning.loggers import Logger
@@ -104,6 +105,7 @@ class Reporter:
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
+        self._discard = False
 
     @property
     def log_dir(self) -> str | None:
@@ -114,10 +116,21 @@ class Reporter:
         """Hands reported values to ``callback_metrics``, the bar and the loggers."""
         self.callback_metrics = {**self.callback_metrics, **values.values}
         self.progress_bar_metrics = {**self.progress_bar_metrics, **values.bar}
-        if values.logged:
+        if values.logged and not self._discard:
             self.logged_metrics = {**values.logged, "epoch": float(self.progress.current_epoch)}
             for logger in self.loggers:
                 logger.log_metrics(self.logged_metrics, step=self.progress.global_step)
+
+    @contextlib.contextmanager
+    def discarding(self) -> Iterator[None]:
+        """Within the block (the sanity check), values reach ``callback_metrics``
+        and the bar's but no logger; afterwards both are as they were before."""
+        before = self.callback_metrics, self.progress_bar_metrics, self._discard
+        self._discard = True
+        try:
+            yield
+        finally:
+            self.callback_metrics, self.progress_bar_metrics, self._discard = before
 
     def log_host(self, name: str, value: Any, *, prog_bar: bool, logger: bool) -> None:
         """``self.log`` from a module's host-side hook: logged at once, as named."""

@@ -67,15 +67,20 @@ def resolve_ckpt_path(
 
 
 def load_states(hooks: Hooks, datamodule: Any, module: JaxModule, meta: Mapping[str, Any]) -> None:
-    """Hands a resumed checkpoint's record to the callbacks, the datamodule and
-    the ``on_load_checkpoint`` hooks."""
+    """Hands a resumed checkpoint's record out in Lightning's order: the module's
+    ``on_load_checkpoint``, the datamodule's state, the callbacks'
+    ``on_load_checkpoint``, then their states (``load_state_dict``)."""
+    module.on_load_checkpoint(dict(meta))
+    if datamodule is not None and "datamodule" in meta:
+        datamodule.load_state_dict(meta["datamodule"])
+    for callback in hooks.callbacks:
+        fn = getattr(callback, "on_load_checkpoint", None)
+        if fn is not None:
+            fn(hooks.view, module, dict(meta))
     states = meta.get("callbacks", {})
     for key, cb in hooks.keyed():
         if key in states and hasattr(cb, "load_state_dict"):
             cb.load_state_dict(states[key])
-    if datamodule is not None and "datamodule" in meta:
-        datamodule.load_state_dict(meta["datamodule"])
-    hooks("on_load_checkpoint", module, dict(meta))
 
 
 def checkpoint_record(
@@ -139,14 +144,14 @@ def load_instead(module: JaxModule, path: str | None, progress: Progress, reason
     checkpoint's variables (if resuming from one), and the user is told."""
     if path is not None:
         module.variables = restore_variables(path)
-        where = f"checkpoint {path} is"
+        where = f"the checkpoint {path} is"
     elif module.variables is not None:
         where = "this Trainer is"
     else:
         where = "this Trainer is (and the module was not trained by it)"
     if distributed.is_rank_zero():
         print(
-            f"fit: nothing left to do: {reason}; the {where} at epoch "
+            f"fit: nothing left to do: {reason}; {where} at epoch "
             f"{progress.current_epoch}, step {progress.global_step}. Raise max_epochs or "
             "max_steps to train further.",
             flush=True,
