@@ -38,11 +38,6 @@ import pytest
 import jaxlightning as jl
 from tests.helpers import LitMLP, digits, init_mlp, loader, quiet_trainer
 
-# The module's per-batch host hooks (``on_train_batch_start(batch_idx)``, ...):
-# Lightning's LightningModule has them; set to False to specify a jaxlightning
-# whose modules have no per-batch hooks (callbacks keep theirs either way).
-MODULE_BATCH_HOOKS = True
-
 STAGES = ("train", "validation", "test", "predict")
 
 CALLBACK_HOOKS = (
@@ -178,8 +173,6 @@ def cb(name: str, **details: Any) -> dict[str, Any]:
 
 
 def mod(name: str, **details: Any) -> list[dict[str, Any]]:
-    if "_batch_" in name and not MODULE_BATCH_HOOKS:
-        return []
     return [{"name": name, **details}]
 
 
