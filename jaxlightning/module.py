@@ -107,6 +107,11 @@ class JaxModule:
         return self._trainer.global_step if self._trainer is not None else 0
 
     @property
+    def loggers(self) -> list[Any]:
+        """The running Trainer's loggers (``[]`` without a Trainer)."""
+        return list(self._trainer.loggers) if self._trainer is not None else []
+
+    @property
     def current_epoch(self) -> int:
         return self._trainer.current_epoch if self._trainer is not None else 0
 

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from jaxlightning import checks, compile_cache, distributed
 from jaxlightning.callbacks import Callback, ModelCheckpoint, with_defaults
 from jaxlightning.checkpoint import read_meta
 from jaxlightning.data import Pipeline
-from jaxlightning.data.datamodule import fit_loaders, stage_loaders
+from jaxlightning.data.datamodule import fit_loaders, is_datamodule, stage_loaders
 from jaxlightning.data.datamodule import prepare as prepare_datamodule
 from jaxlightning.data.prefetch import torch_threads
 from jaxlightning.loggers import Logger, TensorBoardLogger
@@ -181,8 +182,10 @@ class Trainer:
         enable_model_summary: bool = True,
         profiler: str | None = None,
     ) -> None:
-        max_epochs, max_steps = checks.epoch_limit(max_epochs, max_steps)
         self.fast_dev_run = checks.fast_dev_run(fast_dev_run)
+        # Lightning warns at fit when it picks the 1000-epoch default for you
+        self._default_epochs = max_epochs is None and max_steps == -1 and not self.fast_dev_run
+        max_epochs, max_steps = checks.epoch_limit(max_epochs, max_steps)
         if check_val_every_n_epoch is not None:
             checks.int_arg("check_val_every_n_epoch", check_val_every_n_epoch, minimum=1)
         self.schedule = Schedule.from_trainer_args(
@@ -275,6 +278,14 @@ class Trainer:
     max_epochs = _read("schedule", "max_epochs", "The epoch limit (``None``: none).")
     max_steps = _read("schedule", "max_steps", "The step limit (-1: none).")
     check_val_every_n_epoch = _read("schedule", "check_val_every_n_epoch", "Validation epochs.")
+    val_check_interval = _read("schedule", "val_check_interval", "When validation runs.")
+
+    @property
+    def num_sanity_val_steps(self) -> float:
+        """Validation batches of the sanity check per loader (``inf``: all, as -1 asks)."""
+        n = self._fit_loop.num_sanity_val_steps
+        return float("inf") if n < 0 else n
+
     num_devices = _read("strategy", "num_devices", "Devices over all processes.")
 
     @property
@@ -397,17 +408,34 @@ class Trainer:
                 checkpoint is at ``max_epochs``, say) just loads the
                 checkpoint's variables into ``module`` and says so.
         """
+        if datamodule is None and is_datamodule(train_dataloaders):  # fit(model, dm)
+            datamodule, train_dataloaders = train_dataloaders, None
         with self._stage("fit", module, datamodule):
-            train, val = fit_loaders(train_dataloaders, val_dataloaders, datamodule)
+            train, val = fit_loaders(train_dataloaders, val_dataloaders, datamodule, module)
             self._fit(module, train, val, ckpt_path)
 
     def _fit(self, module: JaxModule, train: Any, val: Any, ckpt_path: Any) -> None:
         manual = checks.fit_module(module, self._program.options)
         if val is not None and not self._evaluation.has_batches("validation", val):
             val = None  # limit_val_batches=0: validation is off
+        if val is not None and not type(module)._overrides(eval_hook(module, "validation")):
+            warnings.warn(
+                "You passed in a `val_dataloader` but have no `validation_step` (nor "
+                "`eval_step`). Skipping val loop.",
+                UserWarning,
+                stacklevel=3,  # the user's fit line
+            )
+            val = None
         if val is not None:
             checks.module_hooks(module, eval_hook(module, "validation"))
         self._epoch_batches = (self._pipeline.train_batches_per_epoch(train),)
+        if self._default_epochs:
+            warnings.warn(
+                "`max_epochs` was not set. Setting it to 1000 epochs. To train without an "
+                "epoch limit, set `max_epochs=-1`",
+                UserWarning,
+                stacklevel=3,  # the user's fit line
+            )
         tx = checks.fit_optimizer(module, manual, self._program.options, self.callbacks)
         if self.max_epochs != 1:
             checks.reiterable(train, "train_dataloaders", passes="once per epoch")
@@ -465,6 +493,8 @@ class Trainer:
         (``"last"``, ``"best"`` or a checkpoint folder), which it then keeps.
         ``datamodule=`` takes the loaders from its ``val_dataloader()``.
         """
+        if datamodule is None and is_datamodule(dataloaders):  # validate(model, dm)
+            datamodule, dataloaders = dataloaders, None
         return self._run_eval_stage("validation", module, dataloaders, datamodule, ckpt_path)
 
     def test(
@@ -476,6 +506,8 @@ class Trainer:
         ckpt_path: Any = None,
     ) -> list[dict[str, float]]:
         """Like `validate`, with ``test_step`` (else ``eval_step``) and ``test/`` names."""
+        if datamodule is None and is_datamodule(dataloaders):  # test(model, dm)
+            datamodule, dataloaders = dataloaders, None
         return self._run_eval_stage("test", module, dataloaders, datamodule, ckpt_path)
 
     def _run_eval_stage(
@@ -502,6 +534,8 @@ class Trainer:
             dataset example, in order (numpy arrays, same pytree structure as
             ``predict_step``'s output). A list of those for a list of loaders.
         """
+        if datamodule is None and is_datamodule(dataloaders):  # predict(model, dm)
+            datamodule, dataloaders = dataloaders, None
         with self._stage("predict", module, datamodule):
             dataloaders = stage_loaders("predict", dataloaders, datamodule)
             checks.module_hooks(module, "predict_step")

@@ -4,6 +4,7 @@ sanity steps, max_time, min_epochs/min_steps), counted as they run."""
 import datetime
 import math
 import os
+import warnings
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -231,3 +232,39 @@ def optax_adam_with_schedule(total):
     import optax
 
     return optax.adam(optax.linear_schedule(1e-3, 0.0, int(total)))
+
+
+# Lightning: tests/tests_pytorch/trainer/flags/test_min_max_epochs.py
+#   ::test_max_epochs_not_set_warning
+def test_max_epochs_not_set_warning():
+    class StopAtOnce(jl.Callback):
+        def on_train_batch_end(self, trainer, module, batch_idx):
+            trainer.should_stop = True
+
+    match = "`max_epochs` was not set. Setting it to 1000 epochs."
+    trainer = quiet_trainer(max_epochs=None, limit_train_batches=1, callbacks=[StopAtOnce()])
+    with pytest.warns(UserWarning, match=match):
+        trainer.fit(LitMLP(), loader(*digits(32), 16))
+    assert trainer.max_epochs == 1000
+    assert trainer.current_epoch == 1
+    for fast in (True, 1):  # fast_dev_run sets its own limits: no warning
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=match)
+            quiet_trainer(fast_dev_run=fast).fit(LitMLP(), loader(*digits(32), 16))
+
+
+# Lightning: tests/tests_pytorch/trainer/test_trainer.py::test_num_sanity_val_steps(_neg_one)
+def test_num_sanity_val_steps_reads_back_and_minus_one_is_inf():
+    assert quiet_trainer(num_sanity_val_steps=4).num_sanity_val_steps == 4
+    assert quiet_trainer(num_sanity_val_steps=-1).num_sanity_val_steps == float("inf")
+    assert quiet_trainer(val_check_interval=0.25).val_check_interval == 0.25
+
+
+# Lightning: tests/tests_pytorch/trainer/flags/test_fast_dev_run.py
+#   ::test_callbacks_and_logger_not_called_with_fastdevrun (EarlyStopping's part)
+def test_fast_dev_run_skips_early_stopping():
+    stopper = jl.EarlyStopping(monitor="never_logged")  # strict: would raise when checked
+    trainer = quiet_trainer(fast_dev_run=2, callbacks=[stopper])
+    x, y = digits(64)
+    trainer.fit(LitMLP(), loader(x, y, 16), loader(x, y, 16))
+    assert trainer.global_step == 2 and not trainer.should_stop

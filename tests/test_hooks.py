@@ -321,3 +321,66 @@ def test_callbacks_accepts_a_single_callback():
     calls = []
     quiet_trainer(max_steps=1, callbacks=Record(calls)).fit(LitMLP(), loader(*digits(16), 8))
     assert calls[0] == "cb.setup(fit)" and calls[-1] == "cb.teardown(fit)"
+
+
+# Lightning: trainer.fit(model, dm) / validate(model, dm) (Trainer._run_stage takes a
+# LightningDataModule where loaders go), found by porting real Lightning programs.
+def test_a_datamodule_passed_where_loaders_go_is_used_as_datamodule():
+    dm = DigitsDataModule()
+    model = LitMLP(lr=1e-2)
+    trainer = quiet_trainer(max_epochs=1)
+    trainer.fit(model, dm)
+    assert trainer.datamodule is dm and trainer.global_step == 10
+    (by_position,) = trainer.validate(model, dm)
+    (by_keyword,) = trainer.validate(model, datamodule=dm)
+    assert by_position == by_keyword and 0 <= by_position["val/acc"] <= 1
+    assert trainer.predict(model, dm)["logits"].shape == (40, 10)
+
+
+def test_fit_takes_the_loaders_a_module_defines_itself():
+    x, y = digits(64)
+
+    class WithLoaders(LitMLP):
+        def train_dataloader(self):
+            return loader(x, y, 16)
+
+        def val_dataloader(self):
+            return loader(x[:32], y[:32], 16)
+
+    trainer = quiet_trainer(max_epochs=2)
+    trainer.fit(WithLoaders())
+    assert trainer.global_step == 2 * 4 and "val/acc" in trainer.callback_metrics
+
+
+# Lightning: trainer/configuration_validator.py's warning (tested in its
+# tests_pytorch/trainer/test_config_validator.py)
+def test_a_val_loader_without_a_validation_step_is_skipped_with_a_warning():
+    class NoEval(jl.JaxModule):
+        def setup(self, rng, batch):
+            return LitMLP().setup(rng, batch)
+
+        def configure_optimizers(self):
+            return LitMLP().configure_optimizers()
+
+        def loss(self, variables, batch, rngs):
+            return LitMLP().net.apply(variables, batch[0]).mean()
+
+    x, y = digits(32)
+    trainer = quiet_trainer(max_epochs=1)
+    with pytest.warns(UserWarning, match="no `validation_step`.*Skipping val loop"):
+        trainer.fit(NoEval(), loader(x, y, 16), loader(x, y, 16))
+    assert trainer.global_step == 2 and not any(
+        k.startswith("val") for k in trainer.callback_metrics
+    )
+
+
+def test_a_module_sees_the_trainers_loggers_while_it_runs(tmp_path):
+    seen = []
+
+    class Looks(LitMLP):
+        def on_fit_start(self):
+            seen.append(self.loggers)
+
+    logger = jl.CSVLogger(save_dir=tmp_path)
+    quiet_trainer(max_steps=1, logger=logger).fit(Looks(), loader(*digits(16), 8))
+    assert seen == [[logger]] and Looks().loggers == []

@@ -89,6 +89,8 @@ class EarlyStopping(Callback):
             self._check(trainer)
 
     def _check(self, trainer: TrainerView) -> None:
+        if trainer.fast_dev_run:  # a smoke test of the run, not one to judge (Lightning's rule)
+            return
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
             if self.strict:

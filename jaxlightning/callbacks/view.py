@@ -28,6 +28,10 @@ class TrainerView(Protocol):
         """``"fit"``, ``"validate"``, ``"test"`` or ``"predict"`` while running."""
 
     @property
+    def fast_dev_run(self) -> int:
+        """Batches of each stage in a ``fast_dev_run`` (0: a normal run)."""
+
+    @property
     def sanity_checking(self) -> bool:
         """Whether the validation running is the sanity check before training."""
 

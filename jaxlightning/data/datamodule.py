@@ -60,6 +60,12 @@ class DataModule:
         """Restores what `state_dict` returned."""
 
 
+def is_datamodule(obj: Any) -> bool:
+    """Whether ``obj`` is a data module (this project's or Lightning's): passed
+    where loaders go, ``trainer.fit(model, dm)``, it is used as ``datamodule=``."""
+    return any(cls.__name__ in ("DataModule", "LightningDataModule") for cls in type(obj).__mro__)
+
+
 def defines_loader(datamodule: Any, stage: str) -> bool:
     """Whether ``datamodule`` has its own loader method for ``stage``."""
     method = getattr(type(datamodule), _LOADER_OF_STAGE[stage], None)
@@ -104,10 +110,16 @@ def stage_loaders(stage: str, dataloaders: Any, datamodule: Any) -> Any:
     return loaders(datamodule, stage, required=True)
 
 
-def fit_loaders(train: Any, val: Any, datamodule: Any) -> tuple[Any, Any]:
+def fit_loaders(train: Any, val: Any, datamodule: Any, module: Any = None) -> tuple[Any, Any]:
     """The training and validation loaders of a ``fit`` call: given, or the
     datamodule's (not both; ``val_dataloader`` asked first, as Lightning does:
-    the sanity check runs before training)."""
+    the sanity check runs before training), or, with neither, the module's own
+    ``train_dataloader``/``val_dataloader`` methods where it defines them."""
+    own = module is not None and defines_loader(module, "train")
+    if datamodule is None and train is None and val is None and own:
+        return loaders(module, "train", required=True), loaders(
+            module, "validation", required=False
+        )
     if datamodule is not None:
         if train is not None or val is not None:
             raise ValueError("pass either dataloaders or datamodule= to fit, not both")
