@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"\d+")
+_PARAMS = "state/params/"
 
 
 class CheckpointError(ValueError):
@@ -255,7 +256,9 @@ def _saved_tree(path: str) -> Any:
 
 
 def _first_mismatch(saved: dict, expected: dict) -> str | None:
-    for key in sorted(set(saved) | set(expected)):
+    # The parameters first: a different model is named by its own arrays, not
+    # by the optimizer state that follows their shapes.
+    for key in sorted(set(saved) | set(expected), key=lambda k: (_PARAMS not in k, k)):
         if key not in saved:
             return f"'{key}' {expected[key]} is missing from the checkpoint"
         if key not in expected:
@@ -263,6 +266,62 @@ def _first_mismatch(saved: dict, expected: dict) -> str | None:
         if saved[key] != expected[key]:
             return f"'{key}' has shape {saved[key]} in the checkpoint but {expected[key]} here"
     return None
+
+
+_OPT_STATE = "state/opt_state/"
+_START_AFRESH = (
+    "start a new fit from the checkpoint's weights instead: `module = "
+    "YourModule.load_from_checkpoint(path)`, then `trainer.fit(module, ...)` without "
+    "ckpt_path (the optimizer state and the step count start afresh)"
+)
+
+
+def _with_ema(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The train state's shapes had it been saved with an `EMA` callback: the
+    optimizer state becomes ``(its state, EmaState(ema=params))``."""
+    out = {}
+    for key, shape in shapes.items():
+        if key.startswith(_OPT_STATE):
+            out[_OPT_STATE + "0/" + key[len(_OPT_STATE) :]] = shape
+        else:
+            out[key] = shape
+            if key.startswith(_PARAMS):
+                out[_OPT_STATE + "1/ema/" + key[len(_PARAMS) :]] = shape
+    return out
+
+
+def _optimizer_change(path: str, saved: dict, expected: dict) -> str | None:
+    """Why a checkpoint whose parameters fit does not restore, when only the
+    optimizer state differs: an `EMA` callback added or removed since it was
+    saved, or another optimizer. ``None`` when the parameters differ too."""
+    differing = {k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k)}
+    if not all(k.startswith(_OPT_STATE) for k in differing):
+        return None
+    if _with_ema(saved) == expected:
+        return (
+            f"checkpoint {path} was saved without an EMA callback, and this Trainer has one: "
+            "the average lives in the optimizer state, which the checkpoint lacks. Resume "
+            "it without EMA (remove EMA from callbacks), or, to average from here on, "
+            + _START_AFRESH
+            + "; the average then starts at the restored parameters"
+        )
+    if _with_ema(expected) == saved:
+        return (
+            f"checkpoint {path} was saved with an EMA callback, which this Trainer lacks: "
+            "add EMA(...) to callbacks, with the same decay, to resume it, or " + _START_AFRESH
+        )
+    if not any(k.startswith(_OPT_STATE) for k in saved):
+        return (
+            f"checkpoint {path} holds no optimizer state (its optimizer kept none, or only "
+            "the weights were saved), which this optimizer needs to resume: resume from a "
+            "checkpoint of the same optimizer, or " + _START_AFRESH
+        )
+    return (
+        f"checkpoint {path} does not fit this optimizer: its parameters fit, but "
+        f"{_first_mismatch(saved, expected)} (the optimizer state). configure_optimizers(), "
+        "gradient_clip_val or a callback that changes the optimizer differ from the run "
+        "that saved it. Resume with the same optimizer, or " + _START_AFRESH
+    )
 
 
 def find_last(dirs: list[str]) -> str | None:
@@ -298,6 +357,27 @@ def move_aside(dirpath: str, steps: list[int]) -> str:
     return dest
 
 
+def weights_only(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """What a checkpoint of weights only holds (``ModelCheckpoint(save_weights_only=True)``):
+    of a checkpoint tree, the train state's ``step``, ``params`` and ``model_state``;
+    neither the optimizer state, the ``rng`` nor the metric accumulator."""
+    state = flax.serialization.to_state_dict(tree["state"])
+    return {"state": {key: state[key] for key in ("step", "params", "model_state") if key in state}}
+
+
+def _refuse_weights_only(path: str) -> None:
+    """A checkpoint of weights only cannot resume training: says so, and what to do."""
+    if read_meta(path).get("weights_only"):
+        raise CheckpointError(
+            f"checkpoint {path} holds the model's weights only "
+            "(ModelCheckpoint(save_weights_only=True)): no optimizer state to resume "
+            "training from. Use it for inference (YourModule.load_from_checkpoint(path), or "
+            "ckpt_path= in validate, test or predict), start a new fit from its weights "
+            "(load_from_checkpoint, then fit without ckpt_path), or resume from a checkpoint "
+            "saved with save_weights_only=False"
+        )
+
+
 def restore_variables(
     path: str | os.PathLike[str], expected: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -328,15 +408,18 @@ def restore(path: str | os.PathLike[str], target: Any | None = None) -> Any:
     Raises:
         FileNotFoundError: ``path`` does not exist.
         CheckpointError: incomplete or corrupt, or, with ``target``, of another
-            model: names the first differing parameter path and both shapes.
+            model: names the first differing parameter path and both shapes;
+            with ``target``, a checkpoint of weights only (`weights_only`).
     """
     path = _checked(path)
     saved = _saved_tree(path)
     if target is not None:
+        _refuse_weights_only(path)
         expected = _shapes(flax.serialization.to_state_dict(target))
         problem = _first_mismatch(_shapes(saved), expected)
         if problem:
-            raise CheckpointError(f"checkpoint {path} does not fit this model: {problem}")
+            reason = _optimizer_change(path, _shapes(saved), expected)
+            raise CheckpointError(reason or f"checkpoint {path} does not fit this model: {problem}")
     if target is None:
         restore_args = jax.tree.map(
             lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved, is_leaf=_has_shape

@@ -118,9 +118,16 @@ def np_cross_entropy(logits, y) -> np.ndarray:
 
 
 def quiet_trainer(**kwargs) -> jl.Trainer:
+    """A Trainer with no bar, logger or summary, and no checkpoints unless
+    ``callbacks`` has a `ModelCheckpoint` (Lightning refuses one with
+    ``enable_checkpointing=False``)."""
+    callbacks = kwargs.get("callbacks") or []
+    callbacks = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
     kwargs.setdefault("enable_progress_bar", False)
     kwargs.setdefault("logger", False)
-    kwargs.setdefault("enable_checkpointing", False)
+    kwargs.setdefault(
+        "enable_checkpointing", any(isinstance(c, jl.ModelCheckpoint) for c in callbacks)
+    )
     kwargs.setdefault("enable_model_summary", False)
     return jl.Trainer(**kwargs)
 

@@ -76,7 +76,13 @@ def test_resume_in_new_process_is_bit_exact(tmp_path, reference, stop_at, every,
     train(tmp_path, stop_at, *extra)
     meta = read_meta(complete_checkpoints(tmp_path / "lightning_logs/version_0/checkpoints")[-1])
     epoch, batch = progress
-    assert meta["progress"] == {"epoch": epoch, "batch": batch, "global_step": stop_at}
+    assert meta["progress"] == {
+        "epoch": epoch,
+        "batch": batch,
+        "global_step": stop_at,
+        "total_batches": stop_at,
+        "validated": False,
+    }
     train(tmp_path, 22, "--ckpt-path", "last", "--out", tmp_path / "final.npz")
     assert_bitwise_equal(arrays(tmp_path / "final.npz"), ref_arrays)
 
@@ -157,11 +163,12 @@ def test_save_top_k_keeps_exactly_the_two_best(tmp_path):
     trainer.fit(LitMLP(hidden=8, lr=2e-3), loader(x, y, 32), loader(*digits(97, 1000), 32))
     logged = scalars(trainer.log_dir)["val/acc"]
     assert len(logged) == 6
-    best = sorted(logged, key=lambda step: (-logged[step], step))[:2]
+    # loggers number steps as Lightning (the update's 0-based index), checkpoints by updates
+    best = [s + 1 for s in sorted(logged, key=lambda step: (-logged[step], step))[:2]]
     kept = [int(Path(p).name) for p in complete_checkpoints(ckpt.dirpath)]
     assert sorted(kept) == sorted(best)
     assert ckpt.best_model_path.endswith(f"/{best[0]}")
-    assert ckpt.best_model_score == pytest.approx(logged[best[0]])
+    assert ckpt.best_model_score == pytest.approx(logged[best[0] - 1])
 
 
 def test_load_from_checkpoint_rebuilds_module_for_inference(tmp_path):
@@ -238,8 +245,8 @@ def test_checkpoint_of_another_model_names_first_differing_parameter(tmp_path):
     )
     with pytest.raises(
         jl.CheckpointError,
-        match=r"'state/opt_state/0/mu/Dense_0/bias' has shape \(32,\) in the checkpoint "
-        r"but \(16,\) here",
+        match=r"'state/params/Dense_0/bias' has shape \(32,\) in the checkpoint "
+        r"but \(16,\) here",  # the parameter, not the optimizer state that follows it
     ):
         other.fit(LitMLP(hidden=16), loader(x, y, 32), ckpt_path=path)
     with pytest.raises(jl.CheckpointError, match=r"'params/Dense_0/bias' has shape \(32,\)"):
@@ -250,5 +257,11 @@ def test_hparams_and_progress_recorded(tmp_path):
     trainer, _ = _fit(tmp_path, 9)
     meta = read_meta(trainer.checkpoint_callback.last_model_path)
     assert meta["hparams"]["lr"] == 3e-3 and meta["hparams"]["hidden"] == 32
-    assert meta["progress"] == {"epoch": 1, "batch": 2, "global_step": 9}
+    assert meta["progress"] == {
+        "epoch": 1,
+        "batch": 2,
+        "global_step": 9,
+        "total_batches": 9,
+        "validated": False,
+    }
     assert meta["module"].endswith("LitMLP") and meta["num_devices"] == 8

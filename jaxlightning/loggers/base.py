@@ -5,7 +5,8 @@ from __future__ import annotations
 import abc
 import os
 import re
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,23 @@ class Logger(abc.ABC):
         return None
 
 
+def finalize_all(loggers: Sequence[Logger], *, quiet: bool = False) -> None:
+    """Finalizes every logger, even after one fails, so that each still writes
+    its files; then raises the first failure (later ones become warnings).
+    With ``quiet`` (a run already failing, whose error is the one to see),
+    every failure becomes a warning."""
+    failures: list[tuple[Logger, Exception]] = []
+    for logger in loggers:
+        try:
+            logger.finalize()
+        except Exception as exc:
+            failures.append((logger, exc))
+    for logger, exc in failures if quiet else failures[1:]:
+        warnings.warn(f"{type(logger).__name__}.finalize() failed: {exc}", stacklevel=3)
+    if failures and not quiet:
+        raise failures[0][1]
+
+
 def next_version(root: str) -> int:
     """The first ``version_N`` number not taken under ``root``."""
     if not os.path.isdir(root):
@@ -68,10 +86,13 @@ class VersionedLogger(Logger):
     Args:
         save_dir: the root folder.
         name: the experiment folder under it.
-        version: a fixed version number instead of the next free one.
+        version: a fixed version instead of the next free one: a number (the
+            folder ``version_{N}``) or a name (the folder itself, as Lightning).
     """
 
-    def __init__(self, save_dir: str, name: str = "lightning_logs", version: int | None = None):
+    def __init__(
+        self, save_dir: str, name: str = "lightning_logs", version: int | str | None = None
+    ) -> None:
         self.save_dir = os.fspath(save_dir)
         self.name = name
         self._version = version
@@ -87,7 +108,7 @@ class VersionedLogger(Logger):
             self._version = int(match.group(1))
 
     @property
-    def version(self) -> int:
+    def version(self) -> int | str:
         if self._version is None:
             # Process 0 picks it; in a multi-process run every process must ask at
             # the same point (the Trainer does, at the start of each run).
@@ -97,4 +118,6 @@ class VersionedLogger(Logger):
 
     @property
     def log_dir(self) -> str:
-        return os.path.join(self.save_dir, self.name, f"version_{self.version}")
+        version = self.version
+        folder = version if isinstance(version, str) else f"version_{version}"
+        return os.path.join(self.save_dir, self.name, folder)

@@ -26,7 +26,8 @@ class CSVLogger(VersionedLogger):
     Args:
         save_dir: the root folder.
         name: the experiment folder under it.
-        version: a fixed version number instead of the next free one.
+        version: a fixed version instead of the next free one: a number (the
+            folder ``version_{N}``) or a name (the folder itself, as Lightning).
         flush_logs_every_n_steps: rows buffered before they are written.
     """
 
@@ -34,7 +35,7 @@ class CSVLogger(VersionedLogger):
         self,
         save_dir: str,
         name: str = "lightning_logs",
-        version: int | None = None,
+        version: int | str | None = None,
         flush_logs_every_n_steps: int = 100,
     ) -> None:
         super().__init__(save_dir, name, version)

@@ -35,10 +35,13 @@ class TensorBoardLogger(VersionedLogger):
     Args:
         save_dir: the root folder.
         name: the experiment folder under it.
-        version: a fixed version number instead of the next free one.
+        version: a fixed version instead of the next free one: a number (the
+            folder ``version_{N}``) or a name (the folder itself, as Lightning).
     """
 
-    def __init__(self, save_dir: str, name: str = "lightning_logs", version: int | None = None):
+    def __init__(
+        self, save_dir: str, name: str = "lightning_logs", version: int | str | None = None
+    ) -> None:
         super().__init__(save_dir, name, version)
         self._writer: SummaryWriter | None = None
         self._hparams: dict[str, Any] | None = None
