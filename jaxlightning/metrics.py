@@ -33,6 +33,8 @@ class LogOptions:
         prog_bar: show it in the progress bar.
         logger: send it to the loggers (``callback_metrics`` always has it).
         reduce_fx: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` over real rows.
+        add_dataloader_idx: with several evaluation loaders, name it
+            ``<name>/dataloader_idx_N``.
     """
 
     on_step: bool
@@ -40,6 +42,7 @@ class LogOptions:
     prog_bar: bool = False
     logger: bool = True
     reduce_fx: str = "mean"
+    add_dataloader_idx: bool = True
 
 
 Average = clu_metrics.Average
@@ -51,6 +54,22 @@ class Total(clu_metrics.Average):
 
     def compute(self) -> Any:
         return self.total
+
+
+@flax.struct.dataclass
+class ScalarSum(clu_metrics.Metric):
+    """One step's scalar logged with ``reduce_fx="sum"``, on its way to a `Total`:
+    the device's value times its real rows, and those rows. Summed across the
+    devices, `settle` makes the row-weighted mean of the devices' values count
+    once for the step (a constant 1 sums to the number of steps, as in Lightning)."""
+
+    weighted: jax.Array
+    rows: jax.Array
+
+    def settled(self) -> Total:
+        seen = self.rows > 0
+        value = jnp.where(seen, self.weighted / jnp.maximum(self.rows, 1), 0.0)
+        return Total(total=value.astype(jnp.float32), count=seen.astype(jnp.int32))
 
 
 @flax.struct.dataclass
@@ -87,10 +106,13 @@ def from_logged(name: str, value: Any, mask: jax.Array, options: LogOptions) -> 
     """One shard's state of a logged scalar or per-example ``value``.
 
     A scalar counts once per real row (so a scalar mean of the shard averages
-    exactly across devices); a per-example vector counts its real rows.
+    exactly across devices), except for ``"sum"``: a `ScalarSum`, to be
+    settled after the sum across devices; a per-example vector counts its real
+    rows.
     """
     value = jnp.asarray(value)
-    if value.ndim == 0:
+    scalar = value.ndim == 0
+    if scalar:
         value = jnp.broadcast_to(value, mask.shape)
     elif value.shape != mask.shape:
         raise ValueError(
@@ -103,7 +125,9 @@ def from_logged(name: str, value: Any, mask: jax.Array, options: LogOptions) -> 
         masked = jnp.where(mask, value, _fill(options.reduce_fx))
         pick = jnp.max if options.reduce_fx == "max" else jnp.min
         return Extreme(value=pick(masked), count=count, op=options.reduce_fx)
-    if options.reduce_fx == "sum" and value.ndim:
+    if options.reduce_fx == "sum":
+        if scalar:
+            return ScalarSum(weighted=value[0] * count, rows=count)
         return Total(total=jnp.where(mask, value, 0).sum(), count=count)
     return Average.from_model_output(value, mask=mask)
 
@@ -128,6 +152,12 @@ def across_devices(axis: str, metrics: Mapping[str, Any], tree: Any = None) -> A
                 {n: m.replace(value=values[n], count=counts[n]) for n, m in group.items()}
             )
     return tree, {n: reduced[n] for n in metrics}
+
+
+def settle(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """``metrics`` reduced across devices, with every `ScalarSum` settled into
+    the `Total` it accumulates in."""
+    return {n: m.settled() if isinstance(m, ScalarSum) else m for n, m in metrics.items()}
 
 
 def host_value(metric: Any) -> float | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -27,6 +28,54 @@ def _is_numeric(value: Any) -> bool:
 
 # Hooks whose logged values are training values (per step by default).
 _TRAINING_HOOKS = ("loss", "training_step")
+
+# Hooks in which Lightning refuses ``self.log`` (its ``_FxValidator``): nothing
+# reports what they would log (fit/stage boundaries, set-up, checkpoints, predict).
+NO_LOG_HOOKS = frozenset(
+    {
+        "setup",
+        "teardown",
+        "configure_optimizers",
+        "on_fit_start",
+        "on_fit_end",
+        "on_sanity_check_start",
+        "on_sanity_check_end",
+        "on_train_end",
+        "on_validation_end",
+        "on_test_end",
+        "on_predict_start",
+        "on_predict_end",
+        "on_predict_epoch_start",
+        "on_predict_epoch_end",
+        "on_predict_batch_start",
+        "on_predict_batch_end",
+        "predict_step",
+        "on_save_checkpoint",
+        "on_load_checkpoint",
+        "on_exception",
+    }
+)
+
+
+def _check_loggable(name: Any, value: Any, hook: str, add_dataloader_idx: bool) -> None:
+    """Lightning's checks of a ``self.log`` call that hold wherever it is made."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"self.log needs a non-empty string name, got {name!r}")
+    if add_dataloader_idx and "/dataloader_idx_" in name:
+        raise ValueError(
+            f"self.log({name!r}, ...): the name should not carry a dataloader index; "
+            "with several loaders the Trainer appends '/dataloader_idx_N' itself"
+        )
+    if not _is_numeric(value):
+        where = f" in {hook}()" if hook else ""
+        if isinstance(value, Mapping):
+            what = "nested dictionaries cannot be logged; use self.log_dict for a flat dict"
+        else:
+            what = (
+                f"`{type(value).__name__}` values cannot be logged; log a number, a scalar "
+                "array or a per-example array"
+            )
+        raise ValueError(f"self.log({name!r}, ...){where}: {what}")
 
 
 class AttributeDict(dict):
@@ -88,6 +137,9 @@ class JaxModule:
         self._trainer: Any = None  # the Trainer running this module, while it runs
         self._host_log: Any = None  # where self.log in a host-side hook goes, meanwhile
         self._nnx: Any = None  # an NnxGraph while an NNX model is trained
+        self._host_hook: str = ""  # the host-side hook running (for self.log's rules)
+        self._epoch: jax.Array | None = None  # current_epoch inside a traced hook
+        self._traced_reads: set[str] = set()  # traced counters read in this trace
 
     # ------------------------------------------------------------ the run
     @property
@@ -103,6 +155,7 @@ class JaxModule:
         taken, counting from 0), so schedules on it need no recompile; on the
         host the Trainer's count; 0 without a Trainer."""
         if self._step is not None:
+            self._traced_reads.add("global_step")
             return self._step
         return self._trainer.global_step if self._trainer is not None else 0
 
@@ -112,8 +165,42 @@ class JaxModule:
         return list(self._trainer.loggers) if self._trainer is not None else []
 
     @property
-    def current_epoch(self) -> int:
+    def current_epoch(self) -> Any:
+        """The epoch running (counting from 0). Inside a traced hook (`loss`,
+        `eval_step`, ...) a traced int32 value, the epoch of the batch being
+        processed, so arithmetic on it is right in every epoch without a
+        recompile (branch on it with ``jnp.where``/``jax.lax.cond``, not
+        ``if``); on the host the Trainer's count; 0 without a Trainer."""
+        if self._epoch is not None:
+            self._traced_reads.add("current_epoch")
+            return self._epoch
         return self._trainer.current_epoch if self._trainer is not None else 0
+
+    @contextlib.contextmanager
+    def _in_hook(self, hook: str) -> Iterator[None]:
+        """Marks ``hook`` (a host-side hook) as running, for `log`'s rules."""
+        previous, self._host_hook = getattr(self, "_host_hook", ""), hook
+        try:
+            yield
+        finally:
+            self._host_hook = previous
+
+    @contextlib.contextmanager
+    def _explaining_traced_counters(self, hook: str) -> Iterator[None]:
+        """Adds a hint to the error a Python branch on a traced ``global_step``
+        or ``current_epoch`` raises while ``hook`` is traced."""
+        self._traced_reads = set()
+        try:
+            yield
+        except jax.errors.ConcretizationTypeError as exc:
+            if self._traced_reads:
+                names = " and ".join(f"self.{n}" for n in sorted(self._traced_reads))
+                exc.add_note(
+                    f"jaxlightning: {hook}() read {names}, which inside a traced hook is a "
+                    "traced value (it changes without a recompile). Python `if`/`while` on it "
+                    "cannot work; use jnp.where(...) or jax.lax.cond(...) instead"
+                )
+            raise
 
     # Host-side hooks, called after the callbacks' hooks of the same name (at a
     # train epoch's end, before the monitoring callbacks: ModelCheckpoint and
@@ -226,6 +313,56 @@ class JaxModule:
         """Traced, one device's shard: returns per-example outputs (a pytree)."""
         raise NotImplementedError
 
+    def forward(self, variables: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """Optional: the model's output for inputs, given ``variables`` (an NNX
+        module gets its model instead). Pure, so `loss` and `predict_step` may
+        call it too; ``module(x)`` calls it with the current weights."""
+        raise NotImplementedError
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``forward`` with the module's current weights, on the host: during a
+        fit (in a callback, say) the train state's, else those `fit` left (or
+        `load_from_checkpoint` loaded). Computed eagerly, for inspection; in a
+        traced hook call ``self.forward(variables, ...)`` with the hook's own."""
+        name = type(self).__name__
+        if not type(self)._overrides("forward"):
+            raise NotImplementedError(
+                f"{name}(...) calls {name}.forward(variables, *inputs), which it does not "
+                "define; add it (e.g. `return self.net.apply(variables, x)`)"
+            )
+        if self._log_sink is not None:
+            raise RuntimeError(
+                f"{name}(...) inside a traced hook would use the host's weights; call "
+                "self.forward(variables, ...) with the hook's variables instead"
+            )
+        positional = [
+            p
+            for p in inspect.signature(self.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        if len(positional) <= len(args) and not any(
+            p.kind is p.VAR_POSITIONAL for p in inspect.signature(self.forward).parameters.values()
+        ):
+            raise TypeError(
+                f"{name}.forward takes the variables first, then the inputs: "
+                f"forward(self, variables, x) (Lightning's forward(self, x) has no variables)"
+            )
+        variables = self._current_variables()
+        if self._nnx is not None:
+            variables = self._nnx.merge(variables, None, train=False)
+        return self.forward(variables, *args, **kwargs)
+
+    def _current_variables(self) -> Any:
+        trainer = self._trainer
+        if trainer is not None and trainer.stage == "fit" and trainer.state is not None:
+            return trainer.state.variables
+        if self.variables is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no weights yet: fit it, or load them with "
+                f"{type(self).__name__}.load_from_checkpoint(path)"
+            )
+        return self.variables
+
     # ------------------------------------------------ calling traced hooks
     def _nnx_model(self) -> Any:
         """The NNX model to train (``self.model``), when this module uses one."""
@@ -241,9 +378,11 @@ class JaxModule:
         """`loss` with what it takes: flax variables and ``rngs``, or the merged
         NNX model (its mutated variables come back as updates)."""
         if self._nnx is None:
-            return self.loss(variables, batch, rngs)
+            with self._explaining_traced_counters("loss"):
+                return self.loss(variables, batch, rngs)
         model = self._nnx.merge(variables, rngs, train=True)
-        out = self.loss(model, batch)
+        with self._explaining_traced_counters("loss"):
+            out = self.loss(model, batch)
         if isinstance(out, tuple):
             raise TypeError(
                 "an NNX model's loss() returns the loss only; BatchNorm statistics and "
@@ -255,7 +394,8 @@ class JaxModule:
         """An evaluation hook (or ``predict_step``) with the variables or the model."""
         if self._nnx is not None:
             variables = self._nnx.merge(variables, None, train=False)
-        return getattr(self, hook)(variables, batch)
+        with self._explaining_traced_counters(hook):
+            return getattr(self, hook)(variables, batch)
 
     # --------------------------------------------------------------- logging
     @property
@@ -286,23 +426,27 @@ class JaxModule:
         on_step: bool | None = None,
         on_epoch: bool | None = None,
         prog_bar: bool = False,
-        logger: bool = True,
+        logger: bool | None = None,
         reduce_fx: str = "mean",
         sync_dist: bool = False,
         batch_size: int | None = None,
         rank_zero_only: bool = False,
+        add_dataloader_idx: bool = True,
     ) -> None:
         """Records a metric from a traced hook (`loss`, `eval_step`, ...).
 
         ``value`` is a scalar or a per-example vector (booleans count as 0/1).
         It is reduced with ``reduce_fx`` (``"mean"``, ``"sum"``, ``"max"``,
         ``"min"``) exactly over the real examples of every device: padded rows
-        never count, a per-example vector counts each real row, a scalar counts
-        once per real row of the device's shard (so a shard mean averages
-        exactly). Values are always reduced across devices and weighted by real
-        rows, so ``sync_dist`` and ``batch_size`` are accepted for Lightning
-        code and change nothing; ``rank_zero_only`` neither (only process 0
-        writes logs).
+        never count. A per-example vector counts each real row. A scalar is
+        this device's value for its shard, weighted by the shard's real rows:
+        with ``"mean"`` a shard mean averages exactly across devices; with
+        ``"sum"`` the devices' row-weighted mean counts once per step (a
+        constant ``1`` sums to the number of steps, as in Lightning); to sum
+        over examples, log the per-example vector. Values are always reduced
+        across devices and weighted by real rows, so ``sync_dist`` and
+        ``batch_size`` are accepted for Lightning code and change nothing;
+        ``rank_zero_only`` neither (only process 0 writes logs).
 
         As in Lightning, values from `loss` default to ``on_step=True,
         on_epoch=False`` (reported every ``log_every_n_steps``, and for the
@@ -313,22 +457,50 @@ class JaxModule:
         the stage (``train/acc``, ``val/acc``, ``test/acc``) unless the name
         already carries it (``val_loss``, ``val/acc`` are kept as written).
         ``prog_bar`` shows it in the progress bar; ``logger=False`` keeps it
-        out of the loggers (``trainer.callback_metrics`` always has it).
+        out of the loggers (``trainer.callback_metrics`` always has it). With
+        several evaluation loaders the name gets ``/dataloader_idx_N`` unless
+        ``add_dataloader_idx=False`` (then give each loader its own names).
 
         In a host-side hook (``on_train_epoch_end``, say) ``value`` is a host
         number, logged at once at the current step under ``name`` as written.
+        Where Lightning refuses ``self.log`` (``on_fit_start``, ``setup``,
+        ``on_save_checkpoint``, the predict hooks, ...) it raises here too;
+        without a Trainer it warns and records nothing.
         """
         del sync_dist, batch_size, rank_zero_only  # always exact; see above
+        hook = self._hook if self._log_sink is not None else self._host_hook
+        _check_loggable(name, value, hook, add_dataloader_idx)
+        if hook in NO_LOG_HOOKS:
+            raise RuntimeError(
+                f"self.log({name!r}, ...) in {hook}(): Lightning does not allow logging "
+                f"there and neither does jaxlightning (nothing would report it); log in a "
+                "training or evaluation hook, or write to self.logger directly"
+            )
+        if self._log_sink is None and self._trainer is None:
+            warnings.warn(
+                f"self.log({name!r}, ...) was called but the module is not attached to a "
+                "Trainer (it is not running in trainer.fit/validate/test): nothing is logged",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        if logger and self._trainer is not None and not self._trainer.loggers:
+            warnings.warn(
+                f"self.log({name!r}, ..., logger=True) but the Trainer has no logger; "
+                "enable one with Trainer(logger=...) to record it",
+                UserWarning,
+                stacklevel=2,
+            )
+        logger = True if logger is None else bool(logger)
         if self._log_sink is None:
             if self._host_log is None:
                 raise RuntimeError(
-                    f"self.log({name!r}, ...) was called outside the Trainer; call it in "
-                    "a traced hook (loss, eval_step) or a module hook while the Trainer runs"
+                    f"self.log({name!r}, ...) was called outside the Trainer's control flow; "
+                    "call it in a traced hook (loss, eval_step) or a module hook"
                 )
-            self._host_log(name, value, prog_bar=prog_bar, logger=logger)
+            ahead = self._host_hook == "on_train_batch_start"
+            self._host_log(name, value, prog_bar=prog_bar, logger=logger, before_update=ahead)
             return
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"self.log needs a non-empty string name, got {name!r}")
         if name in self._log_sink:
             raise ValueError(f"self.log({name!r}, ...) was called twice in one step")
         if self._hook == "loss" and name == "loss":
@@ -336,13 +508,9 @@ class JaxModule:
                 "self.log('loss', ...) inside loss(): 'train/loss' is what loss() returns, "
                 "logged by the Trainer. Return that value, or log yours under another name"
             )
-        if not _is_numeric(value):
-            hint = " (use self.log_dict for a dict)" if isinstance(value, dict) else ""
-            raise TypeError(
-                f"self.log({name!r}, ...) in {self._hook}() got a {type(value).__name__}; "
-                f"log a number, a scalar array or a per-example array{hint}"
-            )
-        options = self._log_options(name, on_step, on_epoch, prog_bar, logger, reduce_fx)
+        options = self._log_options(
+            name, on_step, on_epoch, prog_bar, logger, reduce_fx, add_dataloader_idx
+        )
         self._log_sink[name] = (value, options)
 
     def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
@@ -360,6 +528,7 @@ class JaxModule:
         prog_bar: bool,
         logger: bool,
         reduce_fx: str,
+        add_dataloader_idx: bool = True,
     ) -> LogOptions:
         if reduce_fx not in REDUCTIONS:
             raise ValueError(
@@ -380,21 +549,28 @@ class JaxModule:
                 f"self.log({name!r}, ..., on_step=False, on_epoch=False) would report "
                 "nothing; set one of them"
             )
-        return LogOptions(on_step, on_epoch, bool(prog_bar), bool(logger), reduce_fx)
+        return LogOptions(
+            on_step, on_epoch, bool(prog_bar), bool(logger), reduce_fx, bool(add_dataloader_idx)
+        )
 
     @contextlib.contextmanager
     def _collect_logs(
-        self, hook: str, mask: jax.Array | None = None, step: jax.Array | None = None
+        self,
+        hook: str,
+        mask: jax.Array | None = None,
+        step: jax.Array | None = None,
+        epoch: jax.Array | None = None,
     ) -> Iterator[dict[str, jax.Array]]:
         """Within the block, `log` records into the yielded dict, `batch_mask` is
-        ``mask`` and `global_step` is ``step`` (traced); ``hook`` names the traced
-        hook in error messages."""
-        previous = self._log_sink, self._hook, self._mask, self._step
+        ``mask``, `global_step` is ``step`` and `current_epoch` is ``epoch``
+        (traced, where given); ``hook`` names the traced hook in error messages."""
+        previous = self._log_sink, self._hook, self._mask, self._step, self._epoch
         self._log_sink, self._hook, self._mask, self._step = {}, hook, mask, step
+        self._epoch = epoch
         try:
             yield self._log_sink
         finally:
-            self._log_sink, self._hook, self._mask, self._step = previous
+            self._log_sink, self._hook, self._mask, self._step, self._epoch = previous
 
     def save_hyperparameters(self, *names: str, ignore: tuple[str, ...] = ()) -> None:
         """Records the calling ``__init__``'s arguments in `hparams`.

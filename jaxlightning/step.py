@@ -30,7 +30,7 @@ import optax
 from clu import metrics as clu_metrics
 
 from jaxlightning.losses import loss_terms, pmean_floats
-from jaxlightning.metrics import Average, LogOptions, across_devices, from_logged, zero
+from jaxlightning.metrics import Average, LogOptions, across_devices, from_logged, settle, zero
 from jaxlightning.module import JaxModule
 from jaxlightning.optimizers import Groups, Optimizers
 from jaxlightning.precision import for_compute
@@ -113,6 +113,17 @@ def _logged_metrics(logged: Mapping[str, Any], mask: jax.Array) -> Metrics:
     return {name: from_logged(name, value, mask, opts) for name, (value, opts) in logged.items()}
 
 
+def _reduced(metrics: Metrics, tree: Any = None) -> tuple[Any, Metrics]:
+    """``(tree, metrics)`` summed across the devices, metrics settled."""
+    tree, metrics = across_devices(AXIS, metrics, tree)
+    return tree, settle(metrics)
+
+
+def _unpack(rows: Any) -> tuple[jax.Array, jax.Array]:
+    """One device's `Rows`: its mask and (one value) the batch's epoch."""
+    return rows.mask, rows.epoch[0]
+
+
 def _kinds(metrics: Metrics) -> dict[str, Any]:
     return {name: (type(m), getattr(m, "op", None)) for name, m in metrics.items()}
 
@@ -164,7 +175,8 @@ def _logged_names(
 
     def run(*args: Any) -> None:
         step = jnp.zeros((), jnp.int32) if hook in ("loss", "training_step") else None
-        with module._collect_logs(hook, jnp.ones(rows, bool), step) as logged:
+        epoch = jnp.zeros((), jnp.int32)
+        with module._collect_logs(hook, jnp.ones(rows, bool), step, epoch) as logged:
             (call or getattr(module, hook))(*args)
         names.update({name: opts for name, (_, opts) in logged.items()})
 
@@ -186,7 +198,8 @@ def checked_setup(module: JaxModule, rng: jax.Array, example: Any) -> dict[str, 
     if module._nnx is not None:
         return module._nnx.variables()
     try:
-        variables = module.setup(rng, example)
+        with module._in_hook("setup"):
+            variables = module.setup(rng, example)
     except _HOST_ONLY_ERRORS as exc:
         raise TypeError(
             f"{type(module).__name__}.setup() runs traced (once, under jax.jit), so "
@@ -249,7 +262,8 @@ class TrainStepParts:
     """The automatic train step in two parts, for strategies that run them apart.
 
     Attributes:
-        gradients: per-device ``(view, batch, mask) -> (grads, updates, metrics)``:
+        gradients: per-device ``(view, batch, rows) -> (grads, updates, metrics)``
+            (``rows``: the batch's `Rows`, its mask and epoch):
             the loss and its gradient on one device's shard, reduced across
             devices (gradients summed over the real rows of the global batch,
             collections averaged, logged values merged). ``view`` is the state
@@ -267,8 +281,8 @@ class TrainStepParts:
     def per_device(self) -> Callable[..., Any]:
         """The whole step as one per-device function."""
 
-        def jl_train_step(state, acc, batch, mask):
-            return self.apply(state, acc, *self.gradients(gradient_view(state), batch, mask))
+        def jl_train_step(state, acc, batch, rows):
+            return self.apply(state, acc, *self.gradients(gradient_view(state), batch, rows))
 
         return jl_train_step
 
@@ -302,14 +316,15 @@ def build_train_parts(
 
     k = options.accumulate_grad_batches
 
-    def jl_gradients(state, batch, mask):
+    def jl_gradients(state, batch, rows):
+        mask, epoch = _unpack(rows)
         # With accumulation every micro-batch gets its own keys.
         key_step = state.step if k == 1 else state.step * k + state.micro
         rngs = device_keys(state.rng, key_step, module._streams())
 
         def objective(params):
             variables = {"params": for_compute(params, options.precision), **state.model_state}
-            with module._collect_logs("loss", mask, state.step) as logged:
+            with module._collect_logs("loss", mask, state.step, epoch) as logged:
                 out = module._call_loss(variables, for_compute(batch, options.precision), rngs)
             total, count, updates = loss_terms(out, state.model_state, mask)
             metrics = _logged_metrics(logged, mask)
@@ -318,9 +333,9 @@ def build_train_parts(
 
         grads, (metrics, updates) = jax.grad(objective, has_aux=True)(state.params)
         if reduce_grads is None:
-            (grads, summed_updates), metrics = across_devices(AXIS, metrics, (grads, updates))
+            (grads, summed_updates), metrics = _reduced(metrics, (grads, updates))
         else:
-            summed_updates, metrics = across_devices(AXIS, metrics, updates)
+            summed_updates, metrics = _reduced(metrics, updates)
             grads = reduce_grads(grads)
         updates = pmean_floats(summed_updates, updates, jax.lax.axis_size(AXIS))
         return grads, updates, metrics
@@ -355,21 +370,25 @@ def build_train_parts(
 def build_train_step(
     module: JaxModule, tx: Any, options: StepOptions = StepOptions()
 ) -> Callable[[TrainState, TrainMetrics, Any, jax.Array], tuple[TrainState, TrainMetrics]]:
-    """Per-device train step ``(state, acc, batch, mask) -> (state, acc)``.
+    """Per-device train step ``(state, acc, batch, rows) -> (state, acc)``.
 
     `build_train_parts` as one function; a module with
     `JaxModule.training_step` optimizes manually: ``tx`` is then the `Groups`
     of its optimizers, and each `Optimizers.step` it calls is such an update.
     """
 
-    def jl_manual_train_step(state, acc, batch, mask):
+    def jl_manual_train_step(state, acc, batch, rows):
+        mask, epoch = _unpack(rows)
         rngs = device_keys(state.rng, state.step, module._streams())
 
         def reduce(tree: Any) -> Any:
             return across_devices(AXIS, {}, tree)[0]
 
         optimizers = Optimizers(tx, state, mask, reduce, AXIS, options.precision)
-        with module._collect_logs("training_step", mask, state.step) as logged:
+        with (
+            module._collect_logs("training_step", mask, state.step, epoch) as logged,
+            module._explaining_traced_counters("training_step"),
+        ):
             out = module.training_step(optimizers, for_compute(batch, options.precision), rngs)
         if out is not None:
             raise TypeError(
@@ -380,7 +399,7 @@ def build_train_step(
             raise ValueError(
                 "training_step() called no optimizers.step(...); without one nothing is trained"
             )
-        _, metrics = across_devices(AXIS, _logged_metrics(logged, mask))
+        _, metrics = _reduced(_logged_metrics(logged, mask))
         new_state = optimizers.state.replace(step=state.step + 1)
         finite = optimizers.finite
         return new_state, _merge_train(acc, metrics, new_state.step, finite, "training_step")
@@ -403,19 +422,20 @@ def build_flush(tx: Any, options: StepOptions) -> Callable[[Any], Any]:
 def build_eval_step(
     module: JaxModule, hook: str = "eval_step", precision: str = "32-true"
 ) -> Callable[[dict[str, Any], Metrics, Any, jax.Array], Metrics]:
-    """Per-device eval step ``(variables, acc, batch, mask) -> acc`` running the
+    """Per-device eval step ``(variables, acc, batch, rows) -> acc`` running the
     module's ``hook`` (``eval_step``, ``validation_step`` or ``test_step``)."""
 
-    def jl_eval_step(variables, acc, batch, mask):
+    def jl_eval_step(variables, acc, batch, rows):
+        mask, epoch = _unpack(rows)
         variables = {**variables, "params": for_compute(variables["params"], precision)}
-        with module._collect_logs(hook, mask) as logged:
+        with module._collect_logs(hook, mask, epoch=epoch) as logged:
             module._call_eval(hook, variables, for_compute(batch, precision))
         if not logged:
             raise ValueError(
                 f"{type(module).__name__}.{hook} logged nothing; call self.log(name, "
                 "value) in it for each metric to report"
             )
-        _, metrics = across_devices(AXIS, _logged_metrics(logged, mask))
+        _, metrics = _reduced(_logged_metrics(logged, mask))
         return _merge(acc, metrics, hook)
 
     return jl_eval_step
@@ -424,21 +444,17 @@ def build_eval_step(
 def build_predict_step(
     module: JaxModule, precision: str = "32-true"
 ) -> Callable[[dict[str, Any], Any, jax.Array], Any]:
-    """Per-device predict step ``(variables, batch, mask) -> outputs`` (per-example
+    """Per-device predict step ``(variables, batch, rows) -> outputs`` (per-example
     rows; in float32 under ``bf16-mixed``)."""
 
-    def jl_predict_step(variables, batch, mask):
+    def jl_predict_step(variables, batch, rows):
+        mask, epoch = _unpack(rows)
         variables = {**variables, "params": for_compute(variables["params"], precision)}
-        with module._collect_logs("predict_step", mask) as logged:
+        with module._collect_logs("predict_step", mask, epoch=epoch):
             out = module._call_eval("predict_step", variables, for_compute(batch, precision))
         if precision == "bf16-mixed":
             out = jax.tree.map(
                 lambda o: o.astype(jnp.float32) if o.dtype == jnp.bfloat16 else o, out
-            )
-        if logged:
-            raise ValueError(
-                f"predict_step logged {sorted(logged)}; predict returns outputs and logs "
-                "nothing. Return the values as outputs, or log them in eval_step"
             )
         rows = jax.tree.leaves(batch)[0].shape[0]
         for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:

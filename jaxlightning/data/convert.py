@@ -13,7 +13,7 @@ import math
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_dtypes
@@ -25,7 +25,13 @@ class BatchError(ValueError):
     """A batch that cannot be turned into device arrays."""
 
 
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
 def _leaf_to_numpy(x: Any) -> Any:
+    if x is None:  # kept as a leaf so that the error names where it is
+        return None
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu()
         if x.dtype == torch.bfloat16:  # numpy has no bfloat16; reinterpret the bits
@@ -49,11 +55,12 @@ def to_numpy(batch: Any) -> Any:
     """Converts a batch to a pytree of numeric numpy arrays with one leading size.
 
     Raises:
-        BatchError: naming the offending entry, for strings or object arrays, for
-            arrays without a batch dimension, and for entries whose leading
-            dimensions disagree.
+        BatchError: naming the offending entry, for ``None`` entries, strings or
+            object arrays, for arrays without a batch dimension, and for entries
+            whose leading dimensions disagree.
     """
-    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    # None is an empty pytree to JAX; here it is a leaf, refused by name below.
+    leaves, treedef = jax.tree_util.tree_flatten(batch, is_leaf=_is_none)
     converted = [_leaf_to_numpy(x) for x in leaves]
     if not converted or not _well_formed(converted):
         _raise_batch_error(jax.tree_util.tree_unflatten(treedef, converted))
@@ -74,11 +81,18 @@ def _well_formed(leaves: list[Any]) -> bool:
 
 
 def _raise_batch_error(converted: Any) -> None:
-    leaves = jax.tree_util.tree_flatten_with_path(converted)[0]
+    leaves = jax.tree_util.tree_flatten_with_path(converted, is_leaf=_is_none)[0]
     if not leaves:
         raise BatchError("the batch holds no arrays; a DataLoader batch must hold arrays")
     first_path, first = None, None
     for path, leaf in leaves:
+        if leaf is None:
+            raise BatchError(
+                f"{_where(path)} is None; every entry of a batch must be an array with a "
+                "leading batch dimension. Leave the entry out of the batch (in the Dataset "
+                "or collate_fn), or fill it with an array (e.g. zeros and a mask of which "
+                "rows have it)"
+            )
         if isinstance(leaf, (str, bytes)) or _not_numeric(leaf.dtype):
             kind = type(leaf).__name__ if isinstance(leaf, (str, bytes)) else leaf.dtype
             raise BatchError(
@@ -103,6 +117,20 @@ def _raise_batch_error(converted: Any) -> None:
 
 def batch_rows(batch: Any) -> int:
     return jax.tree.leaves(batch)[0].shape[0]
+
+
+class Rows(NamedTuple):
+    """What a step gets about the rows of its batch besides their data: which
+    are real (``mask``, bool) and the epoch they belong to (``epoch``, int32,
+    one value repeated per row, so it splits over the devices as the rows do:
+    the step reads ``self.current_epoch`` from it without a recompile)."""
+
+    mask: Any
+    epoch: Any
+
+    @classmethod
+    def of(cls, mask: np.ndarray, epoch: int) -> Rows:
+        return cls(mask, np.full(mask.shape, epoch, np.int32))
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxlightning import distributed
-from jaxlightning.data.convert import Padder, loader_batch_size
+from jaxlightning.data.convert import Padder, Rows, loader_batch_size
 from jaxlightning.data.prefetch import Batches, DeviceBatch, Prefetcher
 from jaxlightning.data.sampling import (
     BatchSlice,
@@ -125,27 +125,32 @@ class Pipeline:
                 ordered = BatchSlice(ordered, 0, remaining)
             else:
                 total = min(total, remaining)
-        return self._start(ordered, "train_dataloaders", allow_empty=skip > 0, total=total)
+        return self._start(ordered, "train_dataloaders", epoch, allow_empty=skip > 0, total=total)
 
     def example_batch(self, loader: Any) -> DeviceBatch:
         """The first training batch of epoch 0, for shapes (a resumed epoch may
-        have none left)."""
-        with self.train_epoch(loader, 0, 0) as batches:
+        have none left; ``limit_train_batches=0`` trains on none)."""
+        ordered = self._ordered(loader, "train", 0, 0, self.shuffle_train)
+        total = self._common_total(loader, ordered)
+        with self._start(ordered, "train_dataloaders", 0, total=total) as batches:
             return batches.first
 
-    def eval_pass(self, loader: Any, name: str, limit: int | None = None) -> Batches:
-        """An evaluation loader's batches (at most ``limit``): in a multi-process
-        run, this process's share, the same count on every process."""
+    def eval_pass(
+        self, loader: Any, name: str, limit: int | None = None, epoch: int = 0
+    ) -> Batches:
+        """An evaluation loader's batches (at most ``limit``), during ``epoch``:
+        in a multi-process run, this process's share, the same count on every
+        process."""
         if jax.process_count() == 1:
             source = self._wrap(loader, "eval", whole_batches)
             if limit is not None:
                 source = BatchSlice(source, 0, limit)
-            return self._start(source, name)
+            return self._start(source, name, epoch)
         ordered = self._ordered(loader, "eval", 0, 0, None)
         total = self._common_total(loader, ordered)
         if limit is not None:
             total = limit if total is None else min(total, limit)
-        return self._start(ordered, name, total=total)
+        return self._start(ordered, name, epoch, total=total)
 
     def predict_loader(self, loader: Any) -> Any:
         """``loader`` in dataset order (row i of the output is example i)."""
@@ -220,6 +225,7 @@ class Pipeline:
         self,
         loader: Iterable[Any],
         name: str,
+        epoch: int,
         *,
         allow_empty: bool = False,
         total: int | None = None,
@@ -235,8 +241,8 @@ class Pipeline:
 
         def prepare(raw: Any) -> DeviceBatch:
             host = padder.empty() if raw is _PAD_BATCH else padder(raw)
-            data, mask = put((host.data, host.mask))
-            return DeviceBatch(host, data, mask)
+            data, rows = put((host.data, Rows.of(host.mask, epoch)))
+            return DeviceBatch(host, data, rows)
 
         source = loader if total is None else _exactly(loader, total)
         batches = Batches(Prefetcher(source, prepare, depth=self.strategy.prefetch_depth))

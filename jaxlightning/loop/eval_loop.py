@@ -107,21 +107,25 @@ class EvalLoop:
         loaders = as_list(dataloaders)
         counts = [self.pipeline.eval_batches(stage, ld, limit) for ld in loaders]
         self.progress.num_eval_batches = None if None in counts else sum(counts)  # type: ignore[arg-type]
-        self.hooks(f"on_{stage}_start", module)
-        self.hooks(f"on_{stage}_epoch_start", module)
-        prefix = _STAGE_PREFIX[stage]
-        results, everything = [], Report()
-        for i, loader in enumerate(loaders):
-            suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""
-            checkpoint = ckpt_path if i == 0 else None
-            metrics, options = self._evaluate_loader(stage, module, loader, checkpoint, counts[i])
-            values = report(prefix, options, metrics, "epoch", suffix)
-            results.append(values.values)
-            everything.update(values)
-        self.reporter.publish(everything)
-        self.hooks(f"on_{stage}_epoch_end", module)
-        self.hooks(f"on_{stage}_end", module)
-        return results if publish else []
+        with self.reporter.collecting_host_logs() as host_logged:
+            self.hooks(f"on_{stage}_start", module)
+            self.hooks(f"on_{stage}_epoch_start", module)
+            prefix = _STAGE_PREFIX[stage]
+            results, everything = [], Report()
+            for i, loader in enumerate(loaders):
+                suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""
+                checkpoint = ckpt_path if i == 0 else None
+                metrics, options = self._evaluate_loader(
+                    stage, module, loader, checkpoint, counts[i]
+                )
+                values = report(prefix, options, metrics, "epoch", suffix)
+                results.append(values.values)
+                everything.update(values)
+            self.reporter.publish(everything)
+            self.hooks(f"on_{stage}_epoch_end", module)
+            self.hooks(f"on_{stage}_end", module)
+        # What the module's hooks logged on the host belongs to every loader's results.
+        return [{**r, **host_logged} for r in results] if publish else []
 
     def _variables(self, module: JaxModule, first: Any, ckpt_path: Any) -> Any:
         checkpoint = None if ckpt_path is None else self.resolve_checkpoint(ckpt_path)
@@ -148,7 +152,8 @@ class EvalLoop:
         limit: int | None,
     ) -> tuple[Metrics, dict[str, LogOptions]]:
         hook = eval_hook(module, stage)
-        with self.pipeline.eval_pass(loader, f"the {stage} dataloader", limit) as batches:
+        epoch = self.progress.current_epoch
+        with self.pipeline.eval_pass(loader, f"the {stage} dataloader", limit, epoch) as batches:
             variables = self._variables(module, batches.first, ckpt_path)
             eval_step, acc, options = self.program.eval_step(module, hook, batches.first, variables)
             for batch_idx, batch in enumerate(batches):
@@ -183,7 +188,8 @@ class EvalLoop:
 
     def _predict_loader(self, module: JaxModule, loader: Any, ckpt_path: Any, limit: Any) -> Any:
         strategy = self.program.strategy
-        with self.pipeline.eval_pass(loader, "the predict dataloader", limit) as batches:
+        epoch = self.progress.current_epoch
+        with self.pipeline.eval_pass(loader, "the predict dataloader", limit, epoch) as batches:
             variables = self._variables(module, batches.first, ckpt_path)
             predict_step = self.program.predict_step(module)
             outputs = []

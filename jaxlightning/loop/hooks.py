@@ -46,20 +46,23 @@ class Hooks:
         self.view = view
 
     def __call__(self, hook: str, module: JaxModule, *args: Any) -> None:
-        """The callbacks' ``hook``, in order, then the module's (Lightning's order)."""
-        self._callbacks(hook, module, self.callbacks, *args)
-        if hook in MODULE_HOOKS:
-            getattr(module, hook)(*args)
+        """The callbacks' ``hook``, in order, then the module's (Lightning's order).
+        Meanwhile the module knows which hook runs (``self.log``'s rules)."""
+        with module._in_hook(hook):
+            self._callbacks(hook, module, self.callbacks, *args)
+            if hook in MODULE_HOOKS:
+                getattr(module, hook)(*args)
 
     def train_epoch_end(self, module: JaxModule) -> None:
         """``on_train_epoch_end``: the callbacks, the module, then the monitoring
         callbacks, so that `ModelCheckpoint` and `EarlyStopping` see what the
         module logged in its hook (Lightning's order)."""
-        others = [c for c in self.callbacks if not _monitors(c)]
-        self._callbacks("on_train_epoch_end", module, others)
-        module.on_train_epoch_end()
-        monitoring = [c for c in self.callbacks if _monitors(c)]
-        self._callbacks("on_train_epoch_end", module, monitoring)
+        with module._in_hook("on_train_epoch_end"):
+            others = [c for c in self.callbacks if not _monitors(c)]
+            self._callbacks("on_train_epoch_end", module, others)
+            module.on_train_epoch_end()
+            monitoring = [c for c in self.callbacks if _monitors(c)]
+            self._callbacks("on_train_epoch_end", module, monitoring)
 
     def _callbacks(self, hook: str, module: JaxModule, callbacks: Any, *args: Any) -> None:
         for callback in callbacks:
@@ -71,13 +74,17 @@ class Hooks:
         """The callbacks that are instances of ``kind``."""
         return [c for c in self.callbacks if isinstance(c, kind)]
 
-    def keyed(self) -> list[tuple[str, Callback]]:
-        """Each callback with the key its state is saved under in checkpoints:
-        its class name, numbered from the second of a kind on."""
+    def keyed(self, legacy: bool = False) -> list[tuple[str, Callback]]:
+        """Each callback with the key its state is saved under in checkpoints: its
+        ``state_key`` where it defines one (`EarlyStopping`: class, monitor and
+        mode, as in Lightning), else its class name; numbered from the second
+        of a key on. ``legacy``: class names only (checkpoints written before)."""
         seen: dict[str, int] = {}
         keys = []
         for cb in self.callbacks:
             name = type(cb).__name__
+            if not legacy:
+                name = getattr(cb, "state_key", None) or name
             seen[name] = seen.get(name, 0) + 1
             keys.append((name if seen[name] == 1 else f"{name}_{seen[name]}", cb))
         return keys

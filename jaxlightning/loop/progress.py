@@ -26,9 +26,14 @@ class Progress:
             checkpoint records as the place to resume from.
         epoch_offset: the device's number of the batch before this epoch's first.
         train_samples_seen: real rows this process has trained on.
+        total_batches: training batches of the whole fit (across epochs, micro-
+            batches counted one by one: Lightning's ``total_batch_idx + 1``).
         num_training_batches: batches this epoch runs (``None``: unknown).
         num_eval_batches: batches of the evaluation running (``None``: unknown).
         sanity_checking: the validation running is the sanity check before training.
+        fitting: a fit is running (loggers then number steps as Lightning does).
+        validated: the validation due after the batch at ``position`` has run
+            (a run resumed there does not run it again).
     """
 
     accumulate: int = 1
@@ -39,9 +44,27 @@ class Progress:
     position: tuple[int, int] = (0, 0)
     epoch_offset: int = 0
     train_samples_seen: int = 0
+    total_batches: int = 0
     num_training_batches: int | None = None
     num_eval_batches: int | None = None
     sanity_checking: bool = False
+    fitting: bool = False
+    validated: bool = False
+
+    @property
+    def log_step(self) -> int:
+        """The step loggers record values at, Lightning's numbering: during a fit
+        the index of the last update (0-based: the values of the first update
+        are at step 0, an epoch's end at its last update's), outside a fit the
+        number of updates made."""
+        return self.log_step_of(ahead=False)
+
+    def log_step_of(self, ahead: bool) -> int:
+        """`log_step`; with ``ahead`` (a value logged before an update, in
+        ``on_train_batch_start``), the step of that update."""
+        if not self.fitting or ahead:
+            return self.global_step
+        return max(self.global_step - 1, 0)
 
     def start_epoch(self, skip: int) -> None:
         """An epoch starts (at its batch ``skip``, resumed): it is not complete,
@@ -51,6 +74,7 @@ class Progress:
 
     def count_micro_batch(self) -> bool:
         """Counts a dispatched micro-batch; whether it completed an update."""
+        self.total_batches += 1
         self.micro += 1
         if self.micro < self.accumulate:
             return False
@@ -80,7 +104,13 @@ class Progress:
         update = (batch_number - 1) // self.accumulate + 1
         return update, batch_number - 1 - self.epoch_offset
 
-    def resume_at(self, epoch: int, batch: int, global_step: int) -> None:
-        """Continues from a checkpoint's record."""
+    def resume_at(
+        self, epoch: int, batch: int, global_step: int, total_batches: int | None = None
+    ) -> None:
+        """Continues from a checkpoint's record (one written before ``total_batches``
+        was recorded counts the updates' micro-batches)."""
         self.current_epoch, self.global_step = epoch, global_step
         self.position = (epoch, batch)
+        self.total_batches = (
+            global_step * self.accumulate if total_batches is None else total_batches
+        )

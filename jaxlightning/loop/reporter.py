@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from jaxlightning.loggers import Logger
+from jaxlightning.loggers.base import finalize_all
 from jaxlightning.loop.progress import Progress
 from jaxlightning.metrics import LogOptions, host_value
 
@@ -68,7 +68,7 @@ def report(
         value = host_value(metric)
         if value is None:
             continue
-        plain = full_name(prefix, name) + suffix
+        plain = full_name(prefix, name) + (suffix if opts.add_dataloader_idx else "")
         key = plain + (f"_{level}" if opts.on_step and opts.on_epoch else "")
         out.values[key] = out.values[plain] = value
         if opts.logger:
@@ -106,20 +106,26 @@ class Reporter:
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
         self._discard = False
+        self._host_logged: dict[str, float] | None = None
+
+    def reset(self) -> None:
+        """Forgets every reported value (a Trainer call starts, as in Lightning)."""
+        self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
 
     @property
     def log_dir(self) -> str | None:
         """The first logger's run directory (checkpoints go there by default)."""
         return self.loggers[0].log_dir if self.loggers else None
 
-    def publish(self, values: Report) -> None:
-        """Hands reported values to ``callback_metrics``, the bar and the loggers."""
+    def publish(self, values: Report, *, ahead: bool = False) -> None:
+        """Hands reported values to ``callback_metrics``, the bar and the loggers
+        (``ahead``: at the step of the update to come)."""
         self.callback_metrics = {**self.callback_metrics, **values.values}
         self.progress_bar_metrics = {**self.progress_bar_metrics, **values.bar}
         if values.logged and not self._discard:
             self.logged_metrics = {**values.logged, "epoch": float(self.progress.current_epoch)}
             for logger in self.loggers:
-                logger.log_metrics(self.logged_metrics, step=self.progress.global_step)
+                logger.log_metrics(self.logged_metrics, step=self.progress.log_step_of(ahead))
 
     @contextlib.contextmanager
     def discarding(self) -> Iterator[None]:
@@ -132,8 +138,11 @@ class Reporter:
         finally:
             self.callback_metrics, self.progress_bar_metrics, self._discard = before
 
-    def log_host(self, name: str, value: Any, *, prog_bar: bool, logger: bool) -> None:
-        """``self.log`` from a module's host-side hook: logged at once, as named."""
+    def log_host(
+        self, name: str, value: Any, *, prog_bar: bool, logger: bool, before_update: bool = False
+    ) -> None:
+        """``self.log`` from a module's host-side hook: logged at once, as named
+        (``before_update``: in ``on_train_batch_start``, with the update to come)."""
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -142,11 +151,24 @@ class Reporter:
                 "log a number"
             ) from None
         values = Report(values={name: number})
+        if self._host_logged is not None:
+            self._host_logged[name] = number
         if logger:
             values.logged[name] = number
         if prog_bar:
             values.bar[name] = number
-        self.publish(values)
+        self.publish(values, ahead=before_update)
+
+    @contextlib.contextmanager
+    def collecting_host_logs(self) -> Iterator[dict[str, float]]:
+        """Within the block, the values module hooks log on the host are also
+        gathered in the yielded dict (an evaluation returns them, as Lightning's
+        ``validate``/``test`` return what ``on_validation_epoch_end`` logged)."""
+        before, self._host_logged = self._host_logged, {}
+        try:
+            yield self._host_logged
+        finally:
+            self._host_logged = before
 
     def log_hyperparams(self, hparams: Mapping[str, Any]) -> None:
         for logger in self.loggers:
@@ -159,12 +181,6 @@ class Reporter:
                 logger.resume_in(log_dir)
 
     def finalize(self, *, quiet: bool = False) -> None:
-        """Finalizes every logger; with ``quiet`` (a run already failing), a
-        logger's own failure becomes a warning instead of an exception."""
-        for logger in self.loggers:
-            try:
-                logger.finalize()
-            except Exception as exc:
-                if not quiet:
-                    raise
-                warnings.warn(f"{type(logger).__name__}.finalize() failed: {exc}", stacklevel=2)
+        """Finalizes every logger (each one, whatever another raises); with
+        ``quiet`` (a run already failing), their failures become warnings."""
+        finalize_all(self.loggers, quiet=quiet)

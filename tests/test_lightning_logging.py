@@ -1,0 +1,265 @@
+"""`self.log` and traced counters as Lightning's own tests expect them.
+
+The cases are translations of Lightning's tests (named in each test's comment,
+from tests/tests_pytorch/), with Lightning's expected values. Where the
+Lightning test runs on several DDP ranks, the single-device expectations are
+kept: our devices are the Trainer's business, not the user's.
+"""
+
+import csv
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxlightning as jl
+from tests.helpers import LitMLP, digits, init_mlp, loader, quiet_trainer
+
+X, Y = digits(64)
+VX, VY = digits(24, 500)
+
+
+class Logs(LitMLP):
+    """`LitMLP` that logs what a test asks for in the hooks a test names."""
+
+    def __init__(self, train=None, val=None, host=None, **kwargs):
+        super().__init__(**kwargs)
+        self.train_logs = train or (lambda module: None)
+        self.val_logs = val or (lambda module: None)
+        self.host = host or {}
+
+    def loss(self, variables, batch, rngs):
+        self.train_logs(self)
+        return super().loss(variables, batch, rngs)
+
+    def eval_step(self, variables, batch):
+        super().eval_step(variables, batch)
+        self.val_logs(self)
+
+    def __getattribute__(self, name):
+        host = object.__getattribute__(self, "__dict__").get("host", {})
+        if name in host:
+            return lambda *args: host[name](self)
+        return object.__getattribute__(self, name)
+
+
+def _csv_rows(logger):
+    with open(logger.metrics_file_path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# ------------------------------------------------------------ traced counters
+def test_current_epoch_is_traced_in_loss_and_validation(compiles):
+    """A port that scales by ``self.current_epoch`` inside the step logs the right
+    value in every epoch (it was a Python int frozen at the first trace)."""
+
+    def train(m):
+        m.log("epoch_seen", m.current_epoch * 1.0, on_step=False, on_epoch=True)
+        m.log("epoch_scaled", (m.current_epoch + 1) * 2.0, on_step=False, on_epoch=True)
+
+    def val(m):
+        m.log("epoch_seen", m.current_epoch.astype(jnp.float32))
+
+    history = []
+
+    def remember(m):
+        history.append({k: float(v) for k, v in m.trainer.callback_metrics.items()})
+
+    module = Logs(train=train, val=val, host={"on_validation_epoch_end": remember})
+    trainer = quiet_trainer(max_epochs=3, num_sanity_val_steps=0)
+    trainer.fit(module, loader(X, Y, 16), loader(VX, VY, 8))
+    assert [h["train/epoch_seen"] for h in history] == [0.0, 1.0, 2.0]
+    assert [h["train/epoch_scaled"] for h in history] == [2.0, 4.0, 6.0]
+    assert [h["val/epoch_seen"] for h in history] == [0.0, 1.0, 2.0]
+    assert compiles.matching("jl_train_step") == 1  # no recompile per epoch
+
+
+def test_python_branch_on_current_epoch_says_to_use_jnp_where():
+    class Branches(LitMLP):
+        def loss(self, variables, batch, rngs):
+            per_example = super().loss(variables, batch, rngs)
+            if self.current_epoch > 0:  # a Python branch on a traced value
+                return per_example * 2
+            return per_example
+
+    with pytest.raises(jax.errors.ConcretizationTypeError) as info:
+        quiet_trainer(max_epochs=1).fit(Branches(), loader(X, Y, 16))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "self.current_epoch" in notes and "jnp.where" in notes
+
+
+# ------------------------------------------------------------- value checks
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (None, "`NoneType` values cannot be logged"),
+        ("text", "`str` values cannot be logged"),
+        ([1.0, 2.0], "`list` values cannot be logged"),
+        ({"a": {"b": 1.0}}, "nested dictionaries cannot be logged"),
+    ],
+)
+def test_invalid_values_raise_value_error(value, message):
+    # core/test_lightning_module.py::test_fabric_log / test_fabric_log_dict
+    module = Logs(val=lambda m: m.log("bad", value))
+    with pytest.raises(ValueError, match=message):
+        quiet_trainer().validate(module, loader(VX, VY, 8))
+
+
+def test_dataloader_idx_in_a_name_is_refused_in_training():
+    # trainer/logging_/test_train_loop_logging.py::test_logging_raises
+    module = Logs(train=lambda m: m.log("foo/dataloader_idx_0", -1.0))
+    with pytest.raises(ValueError, match="'foo/dataloader_idx_0'.*should not carry"):
+        quiet_trainer(max_steps=1).fit(module, loader(X, Y, 16))
+
+
+def test_log_outside_a_trainer_warns_and_records_nothing():
+    # core/module.py: "the `self.trainer` reference is not registered on the model yet"
+    module = LitMLP()
+    with pytest.warns(UserWarning, match="not attached to a Trainer"):
+        module.log("acc", 1.0)
+
+
+def test_logger_true_without_a_logger_warns():
+    # trainer/logging_: "You called `self.log(...)` but have no logger configured"
+    module = Logs(val=lambda m: m.log("seen", 1.0, logger=True))
+    with pytest.warns(UserWarning, match="logger=True.*no logger"):
+        quiet_trainer(logger=False).validate(module, loader(VX, VY, 8))
+
+
+@pytest.mark.parametrize(
+    "hook",
+    ["on_fit_start", "on_train_end", "on_validation_end", "on_fit_end"],
+)
+def test_log_is_refused_where_lightning_refuses_it(hook):
+    # trainer/logging_/test_logger_connector.py::test_fx_validator_integration
+    module = Logs(host={hook: lambda m: m.log("foo", 1.0)})
+    with pytest.raises(RuntimeError, match=rf"in {hook}\(\).*does not allow logging"):
+        quiet_trainer(max_steps=1, limit_val_batches=1).fit(
+            module, loader(X, Y, 16), loader(VX, VY, 8)
+        )
+
+
+def test_log_in_setup_and_predict_is_refused():
+    class LogsInSetup(LitMLP):
+        def setup(self, rng, batch):
+            self.log("foo", 1.0)
+            return super().setup(rng, batch)
+
+    with pytest.raises(RuntimeError, match=r"in setup\(\).*does not allow logging"):
+        quiet_trainer(max_steps=1).fit(LogsInSetup(), loader(X, Y, 16))
+
+    class LogsInPredict(LitMLP):
+        def predict_step(self, variables, batch):
+            self.log("foo", 1.0)
+            return super().predict_step(variables, batch)
+
+    with pytest.raises(RuntimeError, match=r"in predict_step\(\).*does not allow logging"):
+        quiet_trainer().predict(LogsInPredict(init_variables=init_mlp()), loader(VX, VY, 8))
+
+
+# --------------------------------------------------------------- reductions
+def test_sum_of_a_scalar_counts_once_per_step():
+    # trainer/logging_/test_train_loop_logging.py::test_logging_sync_dist_true (devices=1):
+    # limit_train_batches=3, limit_val_batches=3, a constant logged with reduce_fx="sum"
+    def train(m):
+        m.log("foo_2", 2.0, on_step=True, on_epoch=False, reduce_fx="sum")
+        m.log("foo_3", 2.0, on_step=True, on_epoch=False, reduce_fx="mean")
+        m.log("foo_7", 2.0, on_step=False, on_epoch=True, reduce_fx="sum")
+        m.log("foo_8", 2.0, on_step=False, on_epoch=True, reduce_fx="mean")
+        m.log("ones", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
+
+    def val(m):
+        m.log("bar", 1.0, reduce_fx="sum")
+        m.log("bar_2", 1.0, reduce_fx="mean")
+
+    trainer = quiet_trainer(
+        max_epochs=1, limit_train_batches=3, limit_val_batches=3, log_every_n_steps=1
+    )
+    # batch 2 on 8 devices: 6 of 8 devices hold only padding rows
+    trainer.fit(Logs(train=train, val=val), loader(X, Y, 2), loader(VX, VY, 2))
+    metrics = trainer.callback_metrics
+    assert metrics["train/foo_2"] == 2
+    assert metrics["train/foo_3"] == 2
+    assert metrics["train/foo_7"] == 2 * 3
+    assert metrics["train/foo_8"] == 2
+    assert metrics["train/ones"] == 3  # the issue's case: not once per row (6)
+    assert metrics["val/bar"] == 1 * 3
+    assert metrics["val/bar_2"] == 1
+
+
+def test_add_dataloader_idx_false_keeps_the_names_as_written():
+    # trainer/logging_/test_eval_loop_logging.py: add_dataloader_idx=False
+    def val(m):
+        m.log("plain", 1.0, add_dataloader_idx=False)
+
+    results = quiet_trainer().validate(
+        Logs(init_variables=init_mlp(), val=val), [loader(VX, VY, 8), loader(VX, VY, 8)]
+    )
+    assert "val/plain" in results[0] and "val/plain" in results[1]
+    assert "val/acc/dataloader_idx_0" in results[0] and "val/acc/dataloader_idx_1" in results[1]
+
+
+# -------------------------------------------------------------- logger steps
+def test_logger_steps_follow_lightnings_numbering(tmp_path):
+    # trainer/logging_/test_train_loop_logging.py::test_log_metrics_epoch_step_values
+    logger = jl.CSVLogger(str(tmp_path))
+    trainer = quiet_trainer(max_epochs=2, limit_train_batches=2, log_every_n_steps=1, logger=logger)
+    module = Logs(train=lambda m: m.log("foo", 0.0, on_step=True, on_epoch=True))
+    trainer.fit(module, loader(X, Y, 16))
+    rows = _csv_rows(logger)
+    steps = [(int(r["step"]), int(float(r["epoch"]))) for r in rows if r.get("train/foo_step")]
+    epochs = [(int(r["step"]), int(float(r["epoch"]))) for r in rows if r.get("train/foo_epoch")]
+    assert steps == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert epochs == [(1, 0), (3, 1)]
+
+
+# ------------------------------------------------------ results and resets
+def test_validate_returns_values_logged_in_on_validation_epoch_end():
+    # trainer/logging_/test_eval_loop_logging.py: epoch-end values are in the results
+    def at_end(m):
+        m.log("from_epoch_end", 3.0)
+
+    module = Logs(init_variables=init_mlp(), host={"on_validation_epoch_end": at_end})
+    results = quiet_trainer().validate(module, loader(VX, VY, 8))
+    assert results[0]["from_epoch_end"] == 3.0 and "val/acc" in results[0]
+
+
+def test_callback_metrics_are_reset_when_validate_starts():
+    # trainer/trainer.py _run: reset_results() and reset_metrics() at every call
+    trainer = quiet_trainer(max_steps=2)
+    module = LitMLP()
+    trainer.fit(module, loader(X, Y, 16))
+    assert "train/loss" in trainer.callback_metrics
+    (results,) = trainer.validate(module, loader(VX, VY, 8))
+    assert trainer.callback_metrics == results
+    assert set(results) == {"val/loss", "val/acc"}
+
+
+def test_sum_of_a_scalar_is_independent_of_the_device_count():
+    """With one device the same run gives the same numbers (a cross-check of the
+    per-device weighting against the plain single-device meaning)."""
+    one = jl.Trainer(
+        devices=1, max_epochs=1, limit_train_batches=3, enable_progress_bar=False,
+        logger=False, enable_checkpointing=False, enable_model_summary=False,
+    )  # fmt: skip
+    module = Logs(train=lambda m: m.log("ones", 1.0, on_step=False, on_epoch=True, reduce_fx="sum"))
+    one.fit(module, loader(X, Y, 2))
+    assert one.callback_metrics["train/ones"] == 3
+
+
+def test_optax_is_untouched_by_logging():
+    # logging in loss() changes nothing of the update (the values are auxiliary)
+    variables = init_mlp()
+
+    def train(m):
+        m.log("ones", 1.0, reduce_fx="sum")
+        m.log("epoch", m.current_epoch * 1.0)
+
+    plain, logged = LitMLP(init_variables=variables), Logs(train=train, init_variables=variables)
+    for module in (plain, logged):
+        quiet_trainer(max_steps=3, seed=1).fit(module, loader(X, Y, 16))
+    for a, b in zip(
+        jax.tree.leaves(plain.variables), jax.tree.leaves(logged.variables), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
