@@ -17,6 +17,9 @@ from jaxlightning.loggers import Logger as Logger
 from jaxlightning.loggers import TensorBoardLogger as TensorBoardLogger
 from jaxlightning.module import AttributeDict as AttributeDict
 from jaxlightning.module import JaxModule as JaxModule
+from jaxlightning.rank_zero import rank_zero_info as rank_zero_info
+from jaxlightning.rank_zero import rank_zero_only as rank_zero_only
+from jaxlightning.rank_zero import rank_zero_warn as rank_zero_warn
 from jaxlightning.seed import seed_everything as seed_everything
 from jaxlightning.state import TrainState as TrainState
 from jaxlightning.step import AXIS as AXIS

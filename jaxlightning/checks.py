@@ -76,7 +76,8 @@ def optimizer(module: Any, *, manual: bool = False) -> Any:
     (`optimizers.by_group` for `JaxModule.loss`; `optimizers.Groups` for
     manual optimization, which gets a single transformation as one group).
     """
-    config = module.configure_optimizers()
+    with module._in_hook("configure_optimizers"):
+        config = module.configure_optimizers()
     if isinstance(config, Mapping) and config:
         for key, tx in config.items():
             if not isinstance(_transformation(tx), optax.GradientTransformation):
@@ -120,7 +121,6 @@ def reiterable(loader: Any, name: str, *, passes: str) -> None:
 
 # Lightning hooks a ported module may still define, and what to do here instead.
 _LIGHTNING_ONLY = {
-    "forward": "call your flax module in loss/eval_step/predict_step",
     "training_epoch_end": "use a Callback with on_train_epoch_end(trainer, module)",
     "validation_epoch_end": "use a Callback with on_validation_end(trainer, module)",
     "on_before_backward": "there is no backward pass to hook: transform gradients with optax",
@@ -201,15 +201,31 @@ def batch_hook_signatures(module: Any) -> None:
             )
 
 
-def module_hooks(module: Any, *hooks: str) -> None:
-    """Refuses a module that is no `JaxModule`, skipped ``super().__init__()`` or
-    lacks a hook the Trainer needs; warns for Lightning-only hooks."""
+def _jax_module(module: Any) -> None:
+    """Refuses a module that is no `JaxModule` or skipped ``super().__init__()``."""
     from jaxlightning.module import JaxModule
 
     if not isinstance(module, JaxModule):
         raise TypeError(f"expected a jaxlightning.JaxModule, got {type(module).__name__}")
     if not hasattr(module, "_log_sink"):
         raise TypeError(f"{type(module).__name__}.__init__ must call super().__init__() first")
+
+
+def sanity_steps(value: Any) -> int:
+    """``num_sanity_val_steps`` as a count (-1: all): an int, -1 or ``inf`` for
+    all, or a whole float (``0.0``), as Lightning accepts."""
+    if isinstance(value, float) and not isinstance(value, bool):
+        if value == float("inf"):
+            return -1
+        if value.is_integer():
+            value = int(value)
+    return int_arg("num_sanity_val_steps", value, minimum=-1, hint=" (-1 or inf: all batches)")
+
+
+def module_hooks(module: Any, *hooks: str) -> None:
+    """Refuses a module that is no `JaxModule`, skipped ``super().__init__()`` or
+    lacks a hook the Trainer needs; warns for Lightning-only hooks."""
+    _jax_module(module)
     for hook in hooks:
         if not type(module)._overrides(hook):
             raise NotImplementedError(
@@ -221,8 +237,47 @@ def module_hooks(module: Any, *hooks: str) -> None:
     lightning_hooks(module)
 
 
+def _required_args(method: Any) -> list[str]:
+    """The arguments after ``self`` that a call must pass."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = list(inspect.signature(method).parameters.values())[1:]
+    return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
+
+
+def nnx_model(module: Any) -> None:
+    """Refuses an NNX model the Trainer would not find (held elsewhere than
+    ``self.model``, without a ``setup``), and the linen signature of `loss` on a
+    module that trains an NNX model."""
+    from jaxlightning.nnx_support import is_nnx
+
+    cls = type(module)
+    if module._nnx_model() is not None:
+        args = _required_args(cls.loss)
+        if cls._overrides("loss") and len(args) > 2:
+            raise TypeError(
+                f"{cls.__name__}.loss(self, {', '.join(args)}) has linen's signature, but "
+                f"{cls.__name__} trains the NNX model self.model: here it is "
+                "loss(self, model, batch). It receives the model with the current "
+                "parameters (in train mode, its RNG streams seeded per step and device); "
+                "call it as model(x), without variables or rngs"
+            )
+        return
+    if cls._overrides("setup"):
+        return
+    held = [name for name, value in vars(module).items() if is_nnx(value)]
+    if held:
+        raise TypeError(
+            f"{cls.__name__} holds an NNX model as self.{held[0]} and defines no setup(); "
+            f"the Trainer trains an NNX model kept as self.model. Assign it to self.model "
+            "in __init__ (loss(self, model, batch) then receives it), or define "
+            "setup(self, rng, batch) returning linen variables"
+        )
+
+
 def fit_module(module: Any, options: StepOptions) -> bool:
     """Checks ``module`` for `fit`; whether it optimizes manually (``training_step``)."""
+    _jax_module(module)
+    nnx_model(module)
     manual = type(module)._overrides("training_step")
     objective = "training_step" if manual else "loss"
     init = () if module._nnx_model() is not None else ("setup",)

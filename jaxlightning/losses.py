@@ -15,13 +15,17 @@ import numpy as np
 
 
 def split_loss_output(out: Any, model_state: Mapping[str, Any]) -> tuple[Any, dict]:
+    """``(loss, updates)`` of what a loss hook returned: the loss, Lightning's
+    ``{"loss": loss}``, or ``(loss, updates)`` with mutated collections."""
     if isinstance(out, Mapping):
-        raise TypeError(
-            f"loss() returned a dict with keys {sorted(out)}; return the loss itself "
-            "(a scalar or a per-example vector), not Lightning's {'loss': ...}. Log "
-            "other values with self.log, and return mutated collections as "
-            "(loss, {'batch_stats': ...})"
-        )
+        if set(out) != {"loss"}:
+            raise TypeError(
+                f"loss() returned a dict with keys {sorted(out)}; Lightning's "
+                "{'loss': ...} is accepted, but other entries would be lost here (the step's "
+                "outputs are not fetched): log them with self.log, and return mutated "
+                "collections as (loss, {'batch_stats': ...})"
+            )
+        return out["loss"], {}
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], Mapping):
             raise TypeError(

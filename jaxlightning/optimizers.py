@@ -124,6 +124,14 @@ class Optimizers:
                     f"{sorted(self._txs)}"
                 )
             group = next(iter(self._txs))
+        elif set(self._txs) == {ALL}:
+            raise KeyError(
+                f"optimizers.step(fn, {group!r}): configure_optimizers() returned a single "
+                "optimizer, which updates all the parameters; call optimizers.step(fn) "
+                f"without a group. To update only params[{group!r}] with its own "
+                "optimizer, return a dict of optimizers keyed by the top-level entries of "
+                "variables['params'] from configure_optimizers()"
+            )
         if group not in self._txs:
             raise KeyError(f"optimizers.step(group={group!r}): the groups are {sorted(self._txs)}")
         state, everything = self.state, group == ALL

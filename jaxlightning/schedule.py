@@ -16,9 +16,15 @@ from typing import Any
 _DURATION = re.compile(r"(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})")
 
 
-def parse_max_time(value: Any) -> float | None:
-    """``max_time`` in seconds: ``"DD:HH:MM:SS"``, a dict of `datetime.timedelta`
-    keywords, a ``timedelta``, or ``None``."""
+def is_duration(value: Any) -> bool:
+    """Whether ``value`` is written as a duration (a ``timedelta``, a dict of its
+    keywords, or ``"DD:HH:MM:SS"``) rather than a number."""
+    return isinstance(value, (datetime.timedelta, dict, str))
+
+
+def parse_max_time(value: Any, name: str = "max_time") -> float | None:
+    """``max_time`` (or another duration, ``name``) in seconds: ``"DD:HH:MM:SS"``,
+    a dict of `datetime.timedelta` keywords, a ``timedelta``, or ``None``."""
     if value is None:
         return None
     if isinstance(value, datetime.timedelta):
@@ -27,17 +33,17 @@ def parse_max_time(value: Any) -> float | None:
         try:
             seconds = datetime.timedelta(**value).total_seconds()
         except TypeError as exc:
-            raise ValueError(f"max_time={value!r}: {exc}") from None
+            raise ValueError(f"{name}={value!r}: {exc}") from None
     elif isinstance(value, str) and (match := _DURATION.fullmatch(value.strip())):
         days, hours, minutes, secs = (int(g) for g in match.groups())
         seconds = datetime.timedelta(days, secs, minutes=minutes, hours=hours).total_seconds()
     else:
         raise ValueError(
-            f"max_time={value!r}: use 'DD:HH:MM:SS', a dict such as {{'hours': 1}}, or a "
+            f"{name}={value!r}: use 'DD:HH:MM:SS', a dict such as {{'hours': 1}}, or a "
             "datetime.timedelta"
         )
     if seconds <= 0:
-        raise ValueError(f"max_time={value!r}: must be positive")
+        raise ValueError(f"{name}={value!r}: must be positive")
     return seconds
 
 
@@ -84,7 +90,11 @@ class Schedule:
         max_time: seconds of training before the fit stops (``None``: no limit).
         val_check_interval: float: validate every this fraction of an epoch's
             batches; int: every this many training batches (per epoch, or across
-            epochs with ``check_val_every_n_epoch=None``).
+            epochs with ``check_val_every_n_epoch=None``), counted in batches,
+            not optimizer updates, as in Lightning.
+        val_check_seconds: validate whenever this much training time has
+            passed since the last validation (Lightning 2.6's duration form of
+            ``val_check_interval``); the batch rule is then off.
         check_val_every_n_epoch: validate in every this-many-th epoch (``None``:
             count batches across epochs, see above).
         limit_train_batches, limit_val_batches, limit_test_batches,
@@ -97,6 +107,7 @@ class Schedule:
     min_steps: int = 0
     max_time: float | None = None
     val_check_interval: int | float = 1.0
+    val_check_seconds: float | None = None
     check_val_every_n_epoch: int | None = 1
     limit_train_batches: int | float | None = None
     limit_val_batches: int | float | None = None
@@ -109,10 +120,11 @@ class Schedule:
             raise ValueError(f"val_check_interval={v!r}: use a fraction in (0, 1] or a count")
         if isinstance(v, float) and v > 1.0:
             raise ValueError(f"val_check_interval={v}: a fraction must be in (0, 1]")
-        if self.check_val_every_n_epoch is None and not isinstance(v, int):
+        timed = self.val_check_seconds is not None
+        if self.check_val_every_n_epoch is None and not isinstance(v, int) and not timed:
             raise ValueError(
                 "check_val_every_n_epoch=None needs an int val_check_interval (validate every "
-                "N training batches across epochs)"
+                "N training batches across epochs) or a duration"
             )
         if self.max_epochs is not None and self.min_epochs > self.max_epochs:
             raise ValueError(f"min_epochs={self.min_epochs} > max_epochs={self.max_epochs}")
@@ -140,7 +152,11 @@ class Schedule:
             val_check_interval = 1.0
             limits = dict.fromkeys(limits, fast_dev_run)
         interval = 1.0 if val_check_interval is None else val_check_interval
-        return cls(**rules, val_check_interval=interval, **limits)
+        seconds = None
+        if is_duration(interval):
+            seconds = parse_max_time(interval, "val_check_interval")
+            interval = 1.0
+        return cls(**rules, val_check_interval=interval, val_check_seconds=seconds, **limits)
 
     # ------------------------------------------------------------- batches
     def batches(self, stage: str, available: int | None) -> int | None:
@@ -175,11 +191,14 @@ class Schedule:
         return n is None or (epoch + 1) % n == 0
 
     def validate_after_batch(
-        self, epoch: int, done: int, epoch_batches: int | None, global_step: int
+        self, epoch: int, done: int, epoch_batches: int | None, total_batches: int
     ) -> bool:
-        """Validate after the ``done``-th batch of ``epoch`` (1-based)?"""
+        """Validate after the ``done``-th batch of ``epoch`` (1-based), the
+        ``total_batches``-th of the fit? (By batches; a duration decides by time.)"""
+        if self.val_check_seconds is not None:
+            return False
         if self.check_val_every_n_epoch is None:
-            return global_step % self.val_check_interval == 0
+            return total_batches % self.val_check_interval == 0
         if not self._epoch_validates(epoch):
             return False
         every = self._every(epoch_batches)
@@ -190,7 +209,13 @@ class Schedule:
         (a loader of unknown length with a fractional interval)?"""
         if self.check_val_every_n_epoch is None or not self._epoch_validates(epoch):
             return False
+        if self.val_check_seconds is not None:
+            return False
         return epoch_batches is None and isinstance(self.val_check_interval, float)
+
+    def validates_in(self, epoch: int) -> bool:
+        """Whether ``epoch`` may validate at all (``check_val_every_n_epoch``)."""
+        return self._epoch_validates(epoch)
 
     # ------------------------------------------------------------ stopping
     def step_limit_reached(self, global_step: int) -> bool:

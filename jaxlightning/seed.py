@@ -39,5 +39,9 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
 
 
 def default_seed() -> int:
-    """The seed of a Trainer given none: `seed_everything`'s, else 0."""
-    return 0 if _global_seed is None else _global_seed
+    """The seed of a Trainer given none: `seed_everything`'s, else the one
+    Lightning's own ``seed_everything`` left in ``PL_GLOBAL_SEED``, else 0."""
+    if _global_seed is not None:
+        return _global_seed
+    from_lightning = os.environ.get("PL_GLOBAL_SEED", "")
+    return int(from_lightning) if from_lightning.isdigit() else 0

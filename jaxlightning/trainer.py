@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from jaxlightning import checks, compile_cache, distributed
-from jaxlightning.callbacks import Callback, ModelCheckpoint, with_defaults
+from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar, with_defaults
 from jaxlightning.checkpoint import read_meta
 from jaxlightning.data import Pipeline
 from jaxlightning.data.datamodule import fit_loaders, is_datamodule, stage_loaders
@@ -73,6 +73,9 @@ class Trainer:
             ``timedelta``); overrides ``min_epochs``/``min_steps``. Across
             processes, process 0's clock decides at logging intervals.
         devices: ``"auto"`` (all local devices), a count, or a list of devices.
+        accelerator: ``"auto"`` (JAX's default platform), ``"cpu"``, ``"gpu"``
+            (or ``"cuda"``) or ``"tpu"``: whose devices ``devices`` counts; an
+            accelerator this machine lacks is a clear error.
         strategy: ``"auto"`` (= ``"shard_map"``, data parallel), ``"pmap"``,
             ``"shard_map"``, ``"fsdp"`` (state split over the devices), or a
             `Strategy` instance such as ``jl.ModelParallelStrategy(data=4,
@@ -153,6 +156,7 @@ class Trainer:
         min_steps: int | None = None,
         max_time: str | dict[str, int] | datetime.timedelta | None = None,
         devices: int | str | Sequence[jax.Device] = "auto",
+        accelerator: str = "auto",
         strategy: str | Strategy = "auto",
         log_every_n_steps: int = 50,
         val_check_interval: int | float | None = None,
@@ -205,8 +209,7 @@ class Trainer:
             max_time=parse_max_time(max_time),
             check_val_every_n_epoch=check_val_every_n_epoch,
         )
-        hint = " (-1: all batches)"
-        sanity = checks.int_arg("num_sanity_val_steps", num_sanity_val_steps, minimum=-1, hint=hint)
+        sanity = checks.sanity_steps(num_sanity_val_steps)
         if self.fast_dev_run:  # a few batches of everything; nothing kept
             sanity, logger, enable_checkpointing = 0, False, False
             callbacks = [c for c in as_list(callbacks) if not isinstance(c, ModelCheckpoint)]
@@ -220,7 +223,7 @@ class Trainer:
         if compilation_cache_dir is not None:
             compile_cache.enable(compilation_cache_dir)
         self.strategy = resolve_strategy(strategy)
-        self.strategy.setup(resolve_devices(devices))
+        self.strategy.setup(resolve_devices(devices, accelerator))
         if logger is True:
             logger = TensorBoardLogger(self.default_root_dir)
         self.callbacks: list[Callback] = with_defaults(
@@ -233,6 +236,7 @@ class Trainer:
         self.datamodule: Any = None
         self.stage: str | None = None  # "fit", "validate", "test" or "predict" while running
         self._epoch_batches: tuple[int | None] | None = None  # fit's, once known
+        self._lightning_module: JaxModule | None = None  # the module fit last
 
         # The components, each given what it may touch.
         self._progress = progress = Progress(accumulate=options.accumulate_grad_batches)
@@ -315,6 +319,22 @@ class Trainer:
         return resume.checkpoint_callback(self._hooks)
 
     @property
+    def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
+        """Every `ModelCheckpoint` among the callbacks, in order."""
+        return self._hooks.of_type(ModelCheckpoint)
+
+    @property
+    def lightning_module(self) -> JaxModule | None:
+        """The module this Trainer last fit (``None`` before `fit`): `validate`,
+        `test` and `predict` use it when called without one, as in Lightning."""
+        return self._lightning_module
+
+    @property
+    def progress_bar_callback(self) -> TQDMProgressBar | None:
+        """The progress bar among the callbacks (``None`` when it is off)."""
+        return next(iter(self._hooks.of_type(TQDMProgressBar)), None)
+
+    @property
     def estimated_stepping_batches(self) -> float:
         """The optimizer steps this fit will take, from ``max_epochs`` (and the
         limited batches per epoch) and ``max_steps``; ``inf`` when unbounded.
@@ -364,6 +384,7 @@ class Trainer:
             self.datamodule = datamodule
             prepare_datamodule(datamodule, stage)
         self._hooks("setup", module, stage)
+        self._reporter.reset()  # each call reports its own values (Lightning's reset)
         try:
             # One torch thread for in-process loading while XLA computes on the CPU.
             with torch_threads(1 if self.strategy.on_cpu else None):
@@ -410,6 +431,7 @@ class Trainer:
         """
         if datamodule is None and is_datamodule(train_dataloaders):  # fit(model, dm)
             datamodule, train_dataloaders = train_dataloaders, None
+        self._lightning_module = module
         with self._stage("fit", module, datamodule):
             train, val = fit_loaders(train_dataloaders, val_dataloaders, datamodule, module)
             self._fit(module, train, val, ckpt_path)
@@ -460,10 +482,13 @@ class Trainer:
 
         # Every thread started from here on (prefetching, compiles) is joined on
         # every way out: one still running in XLA when the process exits aborts it.
+        training = self._epoch_batches != (0,)  # limit_train_batches=0: no training
         with contextlib.ExitStack() as threads:
-            batches = self._pipeline.train_epoch(train, self.current_epoch, skip)
-            threads.callback(batches.close)
-            example = batches.first or self._pipeline.example_batch(train)
+            batches = None
+            if training:
+                batches = self._pipeline.train_epoch(train, self.current_epoch, skip)
+                threads.callback(batches.close)
+            example = (batches and batches.first) or self._pipeline.example_batch(train)
             self._program.start(module, tx, example, path, threads)
             if meta is not None:
                 resume.load_states(self._hooks, self.datamodule, module, meta)
@@ -474,13 +499,14 @@ class Trainer:
         module.variables = self._program.trained_variables()
         if module._nnx is not None:  # the user's NNX model holds the trained arrays
             module._nnx.update(module.model, module.variables)
-        self._hooks("on_train_end", module)
+        if training:
+            self._hooks("on_train_end", module)
         self._hooks("on_fit_end", module)
 
     # ------------------------------------------------ validate, test, predict
     def validate(
         self,
-        module: JaxModule,
+        module: JaxModule | None = None,
         dataloaders: Any = None,
         *,
         datamodule: Any = None,
@@ -495,11 +521,12 @@ class Trainer:
         """
         if datamodule is None and is_datamodule(dataloaders):  # validate(model, dm)
             datamodule, dataloaders = dataloaders, None
+        module = self._module_or_fitted(module, "validate")
         return self._run_eval_stage("validation", module, dataloaders, datamodule, ckpt_path)
 
     def test(
         self,
-        module: JaxModule,
+        module: JaxModule | None = None,
         dataloaders: Any = None,
         *,
         datamodule: Any = None,
@@ -508,7 +535,19 @@ class Trainer:
         """Like `validate`, with ``test_step`` (else ``eval_step``) and ``test/`` names."""
         if datamodule is None and is_datamodule(dataloaders):  # test(model, dm)
             datamodule, dataloaders = dataloaders, None
+        module = self._module_or_fitted(module, "test")
         return self._run_eval_stage("test", module, dataloaders, datamodule, ckpt_path)
+
+    def _module_or_fitted(self, module: JaxModule | None, call: str) -> JaxModule:
+        """``module``, or (``None``, as Lightning allows) the one this Trainer fit."""
+        if module is not None:
+            return module
+        if self.lightning_module is None:
+            raise TypeError(
+                f"trainer.{call}() needs the module: pass trainer.{call}(model, ...); this "
+                "Trainer has not fit one it could use instead"
+            )
+        return self.lightning_module
 
     def _run_eval_stage(
         self, stage: str, module: JaxModule, dataloaders: Any, datamodule: Any, ckpt_path: Any
@@ -521,7 +560,7 @@ class Trainer:
 
     def predict(
         self,
-        module: JaxModule,
+        module: JaxModule | None = None,
         dataloaders: Any = None,
         *,
         datamodule: Any = None,
@@ -536,6 +575,7 @@ class Trainer:
         """
         if datamodule is None and is_datamodule(dataloaders):  # predict(model, dm)
             datamodule, dataloaders = dataloaders, None
+        module = self._module_or_fitted(module, "predict")
         with self._stage("predict", module, datamodule):
             dataloaders = stage_loaders("predict", dataloaders, datamodule)
             checks.module_hooks(module, "predict_step")

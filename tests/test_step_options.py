@@ -100,7 +100,13 @@ def test_accumulating_4_batches_of_32_equals_batches_of_128_on_8_devices(tmp_pat
     from jaxlightning.checkpoint import complete_checkpoints, read_meta
 
     meta = read_meta(complete_checkpoints(tmp_path / "checkpoints")[-1])
-    assert meta["progress"] == {"epoch": 2, "batch": 0, "global_step": 4}
+    assert meta["progress"] == {
+        "epoch": 2,
+        "batch": 0,
+        "global_step": 4,
+        "total_batches": 14,  # batches trained (val_check_interval counts batches)
+        "validated": False,
+    }
 
 
 def test_accumulation_resumes_bit_exactly(tmp_path):

@@ -23,12 +23,14 @@ def with_defaults(
 ) -> list[Callback]:
     """``callbacks`` with the ones the Trainer adds by default, unless given:
     a `ModelCheckpoint`, a `TQDMProgressBar` (process 0 only), a `ModelSummary`
-    (first), and a `JaxProfiler` for ``profiler="jax"``."""
+    (first), and a `JaxProfiler` for ``profiler="jax"``. Refuses a `ModelCheckpoint`
+    when ``checkpointing`` is off (`check_checkpointing`)."""
     from jaxlightning import distributed
 
     def has(kind: type) -> bool:
         return any(isinstance(c, kind) for c in callbacks)
 
+    check_checkpointing(callbacks, enabled=checkpointing)
     callbacks = list(callbacks)
     if checkpointing and not has(ModelCheckpoint):
         callbacks.append(ModelCheckpoint())
@@ -41,3 +43,13 @@ def with_defaults(
     if profiler == "jax":
         callbacks.append(JaxProfiler())
     return callbacks
+
+
+def check_checkpointing(callbacks: list[Callback], *, enabled: bool) -> None:
+    """Lightning's check of ``Trainer(enable_checkpointing=False)`` with a
+    `ModelCheckpoint` among ``callbacks``: a contradiction, refused (`ValueError`)."""
+    if not enabled and any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        raise ValueError(
+            "Trainer was configured with `enable_checkpointing=False` but found "
+            "`ModelCheckpoint` in callbacks list: remove it, or leave enable_checkpointing=True"
+        )

@@ -7,10 +7,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 from clu import parameter_overview
 
 from jaxlightning import distributed
 from jaxlightning.callbacks.base import Callback
+from jaxlightning.nnx_support import is_nnx
 from jaxlightning.schedule import parse_max_time
 
 if TYPE_CHECKING:
@@ -39,9 +41,44 @@ class ModelSummary(Callback):
             return
         shapes = jax.eval_shape(lambda state: state.params, trainer.state)
         self.summary = parameter_overview.get_parameter_overview(
-            shapes, include_stats=False, max_lines=self.max_lines
+            flat_shapes(shapes), include_stats=False, max_lines=self.max_lines
         )
+        self.summary += _in_out_sizes(trainer, module)
         print(self.summary, flush=True)
+
+
+def _shapes_text(tree: Any) -> str:
+    shapes = [list(np.shape(x)) for x in jax.tree.leaves(tree)]
+    return str(shapes[0] if len(shapes) == 1 else shapes)
+
+
+def _in_out_sizes(trainer: TrainerView, module: JaxModule) -> str:
+    """Lightning's "In sizes / Out sizes" of ``example_input_array`` through the
+    module's ``forward`` (from shapes alone, nothing computed), or ``""``."""
+    example = getattr(module, "example_input_array", None)
+    if example is None or not type(module)._overrides("forward"):
+        return ""
+    args = example if isinstance(example, tuple) else (example,)
+    if is_nnx(getattr(module, "model", None)):
+        return ""  # forward takes the model: no shapes-only run of it here
+    variables = jax.eval_shape(lambda state: state.variables, trainer.state)
+    out = jax.eval_shape(module.forward, variables, *args)
+    return f"\nIn sizes: {_shapes_text(args)} -- Out sizes: {_shapes_text(out)}"
+
+
+def _key_name(key: Any) -> str:
+    """One step of a pytree path as text: a dict key, a list index, an attribute."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def flat_shapes(tree: Any) -> dict[str, Any]:
+    """Any pytree of arrays (nested dicts, lists, tuples, dataclasses) as one flat
+    dict by slash-joined path (``"layers/0/kernel"``), which the table takes."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(_key_name(k) for k in path) or "(root)": leaf for path, leaf in flat}
 
 
 class Timer(Callback):

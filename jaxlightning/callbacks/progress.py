@@ -54,8 +54,15 @@ class TQDMProgressBar(Callback):
     def __init__(self, refresh_rate: int = 1) -> None:
         self.refresh_rate = refresh_rate
         self._bar: _SteadyTqdm | None = None
+        self._last_bar: _SteadyTqdm | None = None
         self._eval_bar: _SteadyTqdm | None = None
         self._shown: object = None
+
+    @property
+    def train_progress_bar(self) -> Any:
+        """The training epoch's tqdm bar (after an epoch, its last one): its
+        ``total`` is the epoch's batches, bounded by ``max_steps``."""
+        return self._bar if self._bar is not None else self._last_bar
 
     def _postfix(self, trainer: TrainerView, bar: _SteadyTqdm) -> None:
         metrics = trainer.progress_bar_metrics
@@ -85,7 +92,7 @@ class TQDMProgressBar(Callback):
         if self._bar is not None:
             self._postfix(trainer, self._bar)
             self._bar.close()
-            self._bar = None
+            self._last_bar, self._bar = self._bar, None
 
     def _eval_start(self, trainer: TrainerView, desc: str) -> None:
         self._eval_bar = _SteadyTqdm(

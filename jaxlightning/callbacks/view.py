@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 class TrainerView(Protocol):
     """The members of `jaxlightning.Trainer` that callbacks (and a module's
     ``self.trainer``) may use. Everything is read-only except ``should_stop``,
-    which asks the fit to stop (after ``min_epochs``/``min_steps``).
+    which asks the fit to stop (after ``min_epochs``/``min_steps``), and
+    ``callback_metrics``, to which a callback may add values.
 
     Values are host numbers already fetched (free to read) except ``state``,
     which copies the train state on the devices: read what you need and drop it.
@@ -56,7 +57,18 @@ class TrainerView(Protocol):
     @property
     def log_every_n_steps(self) -> int: ...
     @property
-    def callback_metrics(self) -> dict[str, float]: ...
+    def val_check_interval(self) -> int | float:
+        """When validation runs within an epoch (``1.0``: once, at its end)."""
+
+    @property
+    def check_val_every_n_epoch(self) -> int | None:
+        """Validation runs in every this-many-th epoch."""
+
+    @property
+    def callback_metrics(self) -> dict[str, float]:
+        """Every reported value, by name. A callback may add values for other
+        callbacks to monitor (`LearningRateMonitor` does, as Lightning's)."""
+
     @property
     def logged_metrics(self) -> dict[str, float]: ...
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import signal
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -62,6 +63,10 @@ class FitLoop:
         self.log_every_n_steps = log_every_n_steps
         self.num_sanity_val_steps = num_sanity_val_steps
         self.validate_at_epoch_end = False
+        self._last_validation = 0.0  # monotonic time of the last validation (duration rule)
+
+    def _clock(self) -> float:
+        return time.monotonic()
 
     def run(
         self,
@@ -78,12 +83,17 @@ class FitLoop:
         max_epochs = self.schedule.max_epochs
         start = self.progress.current_epoch
         epochs = range(start, max_epochs) if max_epochs is not None else itertools.count(start)
+        if self.pipeline.train_batches_per_epoch(train_loader) == 0:
+            epochs = range(0)  # limit_train_batches=0: training is off (Lightning skips it)
+        self.progress.fitting = True
         try:
             with self.stop.watching_signals():
                 self.hooks("on_fit_start", module)
                 self._sanity_check(module, val_loaders)
-                self.hooks("on_train_start", module)
+                if epochs:
+                    self.hooks("on_train_start", module)
                 self.stop.start_clock()
+                self._last_validation = self._clock()
                 for epoch in epochs:
                     if self.stop.step_limit_reached():
                         break
@@ -101,8 +111,9 @@ class FitLoop:
                             self.evaluation.evaluate("validation", module, val_loaders)
                         self.progress.position = (epoch + 1, 0)
                     self.hooks.train_epoch_end(module)
-                    if self.progress.epoch_completed:
-                        self.progress.current_epoch = epoch + 1
+                    # An epoch cut short (max_steps, a stop) counts too, as in
+                    # Lightning; its checkpoints' position still resumes inside it.
+                    self.progress.current_epoch = epoch + 1
                     if self.stop.stopping():
                         break
         except BaseException:
@@ -112,19 +123,23 @@ class FitLoop:
                 self.program.drain()
             self.reporter.finalize(quiet=True)
             raise
+        finally:
+            self.progress.fitting = False
         self.program.drain()
         self.reporter.finalize()
 
     def batches_left(self, loader: Any, skip: int = 0) -> int | None:
         """Batches this epoch runs from batch ``skip``: the epoch's, or fewer
-        when ``max_steps`` comes first."""
+        when ``max_steps`` comes first (for a loader without a length, the
+        batches until ``max_steps``; ``None`` without it)."""
         n = self.pipeline.train_batches_per_epoch(loader)
-        if n is None:
-            return None
-        n -= skip
+        until_max_steps = None
         if self.schedule.max_steps >= 0:  # batches left until the last update
-            n = min(n, self.progress.batches_until(self.schedule.max_steps))
-        return n
+            until_max_steps = self.progress.batches_until(self.schedule.max_steps)
+        if n is None:  # a loader without a length: max_steps bounds it, if set
+            return until_max_steps
+        n -= skip
+        return n if until_max_steps is None else min(n, until_max_steps)
 
     def _train_epoch(
         self,
@@ -150,7 +165,7 @@ class FitLoop:
             self.hooks("on_train_epoch_start", module)
         # A run resumed from a checkpoint taken after batch `skip` (before any
         # validation due there) runs that validation first, as the run it continues did.
-        if skip and val_loaders is not None:
+        if skip and val_loaders is not None and not progress.validated:
             self._validate_after(module, val_loaders, epoch, skip, epoch_batches)
         for batch_idx, batch in enumerate(batches, start=skip):
             if self.stop.before_batch():
@@ -160,6 +175,7 @@ class FitLoop:
             progress.train_samples_seen += batch.host.real
             updated = progress.count_micro_batch()
             progress.position = (epoch, batch_idx + 1)
+            progress.validated = False
             at_report = updated and progress.global_step % self.log_every_n_steps == 0
             if at_report:
                 self._report_train()
@@ -167,22 +183,46 @@ class FitLoop:
             self.hooks("on_train_batch_end", module, batch_idx)
             self.stop.poll_time(at_report)
             if val_loaders is not None and not self.stop.signum:  # else after resuming
-                self._validate_after(module, val_loaders, epoch, batch_idx + 1, epoch_batches)
+                self._validate_after(
+                    module, val_loaders, epoch, batch_idx + 1, epoch_batches, at_report
+                )
         progress.epoch_completed = True
         if progress.end_partial_update():  # an epoch ending between two updates
             self.program.flush()
 
     def _validate_after(
-        self, module: JaxModule, val_loaders: Any, epoch: int, done: int, total: int | None
+        self,
+        module: JaxModule,
+        val_loaders: Any,
+        epoch: int,
+        done: int,
+        total: int | None,
+        at_sync: bool = True,
     ) -> None:
         """Validates if ``val_check_interval`` says so after batch ``done`` of the
-        epoch; after its last batch, at the epoch's end instead."""
-        if not self.schedule.validate_after_batch(epoch, done, total, self.progress.global_step):
+        epoch (or its duration has passed, or a stop was requested that takes
+        effect now: Lightning validates before stopping); after the epoch's last
+        batch, at the epoch's end instead."""
+        if not self._validation_due(epoch, done, total, at_sync):
             return
         if done == total:
             self.validate_at_epoch_end = True
         else:
+            # set first: a checkpoint saved in its on_validation_end resumes after it
+            self.progress.validated = True
             self.evaluation.evaluate("validation", module, val_loaders)
+        self._last_validation = self._clock()
+
+    def _validation_due(self, epoch: int, done: int, total: int | None, at_sync: bool) -> bool:
+        schedule = self.schedule
+        if not schedule.validates_in(epoch):
+            return False
+        if self.stop.should_stop and self.stop.stopping():
+            return True
+        if schedule.val_check_seconds is not None:
+            due = self._clock() - self._last_validation >= schedule.val_check_seconds
+            return distributed.agree(due, at_sync=at_sync)  # process 0's clock decides
+        return schedule.validate_after_batch(epoch, done, total, self.progress.total_batches)
 
     def _sanity_check(self, module: JaxModule, val_loaders: Any) -> None:
         """A few validation batches before training, with their hooks

@@ -33,7 +33,7 @@ def _checkpoint_dirs(
         dirs.append(os.path.abspath(callback.dirpath))
     if loggers and isinstance(loggers[0], VersionedLogger):
         root = os.path.join(loggers[0].save_dir, loggers[0].name)
-        dirs += glob.glob(os.path.join(root, "version_*", "checkpoints"))
+        dirs += glob.glob(os.path.join(root, "*", "checkpoints"))  # named versions too
     dirs.append(os.path.join(default_root_dir, "checkpoints"))
     return dirs
 
@@ -78,9 +78,10 @@ def load_states(hooks: Hooks, datamodule: Any, module: JaxModule, meta: Mapping[
         if fn is not None:
             fn(hooks.view, module, dict(meta))
     states = meta.get("callbacks", {})
-    for key, cb in hooks.keyed():
-        if key in states and hasattr(cb, "load_state_dict"):
-            cb.load_state_dict(states[key])
+    for (key, cb), (old, _) in zip(hooks.keyed(), hooks.keyed(legacy=True), strict=True):
+        state = states.get(key, states.get(old))  # older checkpoints: by class name
+        if state is not None and hasattr(cb, "load_state_dict"):
+            cb.load_state_dict(state)
 
 
 def checkpoint_record(
@@ -96,7 +97,13 @@ def checkpoint_record(
     epoch, batch = progress.position
     states = {key: getattr(cb, "state_dict", dict)() for key, cb in hooks.keyed()}
     meta = {
-        "progress": {"epoch": epoch, "batch": batch, "global_step": progress.global_step},
+        "progress": {
+            "epoch": epoch,
+            "batch": batch,
+            "global_step": progress.global_step,
+            "total_batches": progress.total_batches,
+            "validated": progress.validated,
+        },
         "callbacks": {key: state for key, state in states.items() if state},
         "hparams": json_safe(module.hparams),
         "module": f"{type(module).__module__}.{type(module).__qualname__}",
@@ -135,7 +142,8 @@ def start_from(meta: Mapping[str, Any] | None, progress: Progress) -> int:
     if meta is None:
         return 0
     at = meta["progress"]
-    progress.resume_at(at["epoch"], at["batch"], at["global_step"])
+    progress.resume_at(at["epoch"], at["batch"], at["global_step"], at.get("total_batches"))
+    progress.validated = bool(at.get("validated", False))
     return at["batch"]
 
 

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from jaxlightning import distributed
 from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.signals import StopRequest
+from jaxlightning.rank_zero import rank_zero_info
 from jaxlightning.schedule import Schedule
 
 
@@ -37,10 +38,11 @@ class StopPolicy:
         self.signum = 0
         self._request = StopRequest()
         self._started = 0.0
+        self._held_back = False  # told that min_epochs/min_steps hold a stop back
 
     def reset(self) -> None:
         """A new fit: nothing requested yet."""
-        self.should_stop = self.time_up = False
+        self.should_stop = self.time_up = self._held_back = False
         self.signum = 0
 
     @contextmanager
@@ -84,4 +86,14 @@ class StopPolicy:
         if self.time_up:
             return True
         # current_epoch counts completed epochs (it moves on once one completes)
-        return self.schedule.may_stop(self.progress.current_epoch, self.progress.global_step)
+        if self.schedule.may_stop(self.progress.current_epoch, self.progress.global_step):
+            return True
+        if not self._held_back:  # said once, as Lightning says it
+            self._held_back = True
+            rank_zero_info(
+                "Trainer was signaled to stop but the required "
+                f"`min_epochs={self.schedule.min_epochs}` or "
+                f"`min_steps={self.schedule.min_steps}` has not been met. Training will "
+                "continue..."
+            )
+        return False

@@ -35,10 +35,40 @@ def resolve_strategy(strategy: str | Strategy) -> Strategy:
         ) from None
 
 
-def resolve_devices(devices: int | str | Sequence[jax.Device]) -> list[jax.Device]:
-    """The devices of ``Trainer(devices=...)``: ``"auto"`` (every local device;
-    in a multi-process run every device of the job), a count, or a list."""
-    local = jax.local_devices()
+# Lightning's accelerator names and the JAX platforms they mean.
+_ACCELERATORS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
+
+
+def accelerator_devices(accelerator: str) -> list[jax.Device]:
+    """The local devices of Lightning's ``accelerator`` (``"auto"``: JAX's default
+    platform); a clear error when this machine has none of them."""
+    if not isinstance(accelerator, str) or (
+        accelerator != "auto" and accelerator not in _ACCELERATORS
+    ):
+        raise ValueError(
+            f"accelerator={accelerator!r}: use 'auto', 'cpu', 'gpu' (or 'cuda') or 'tpu'"
+        )
+    if accelerator == "auto":
+        return jax.local_devices()
+    platform = _ACCELERATORS[accelerator]
+    try:
+        return jax.local_devices(backend=platform)
+    except RuntimeError:
+        present = sorted({d.platform for d in jax.local_devices()})
+        raise RuntimeError(
+            f"accelerator={accelerator!r}, but JAX finds no {platform} device here (it has "
+            f"{', '.join(present)}). Install the JAX build for it (e.g. jax[cuda12] for GPUs) "
+            "or use accelerator='auto'"
+        ) from None
+
+
+def resolve_devices(
+    devices: int | str | Sequence[jax.Device], accelerator: str = "auto"
+) -> list[jax.Device]:
+    """The devices of ``Trainer(devices=..., accelerator=...)``: ``"auto"`` (every
+    local device of the accelerator; in a multi-process run every device of the
+    job), a count, or a list."""
+    local = accelerator_devices(accelerator)
     if jax.process_count() > 1:
         if devices not in ("auto", len(local)):
             raise ValueError(

@@ -121,7 +121,7 @@ class Strategy(abc.ABC):
         return jax.device_get(self.unreplicate(tree))
 
     def _compile_step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """A per-device ``(state, acc, batch, mask) -> (state, acc)``, compiled."""
+        """A per-device ``(state, acc, batch, rows) -> (state, acc)``, compiled."""
         return self.compile(
             fn,
             sharded_args=(False, False, True, True),
@@ -135,7 +135,7 @@ class Strategy(abc.ABC):
 
     def compile_manual(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Compiles a per-device manual-optimization train step
-        ``(state, acc, batch, mask) -> (state, acc)``."""
+        ``(state, acc, batch, rows) -> (state, acc)``."""
         return self._compile_step(fn)
 
     def compile_global(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:

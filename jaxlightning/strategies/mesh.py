@@ -197,8 +197,8 @@ class MeshStrategy(ShardMapStrategy):
             (self._grad_specs(), P(), P()),
         )
 
-        def jl_sharded_train_step(state, acc, batch, mask):
-            return parts.apply(state, acc, *gradients(gradient_view(state), batch, mask))
+        def jl_sharded_train_step(state, acc, batch, rows):
+            return parts.apply(state, acc, *gradients(gradient_view(state), batch, rows))
 
         return jax.jit(
             jl_sharded_train_step,
@@ -287,12 +287,34 @@ class FSDPStrategy(MeshStrategy):
             return P()
         shape = tuple(np.shape(leaf))
         if self.shard_dim is not None:
-            dim = self.shard_dim(path, shape)
+            dim = self._chosen_dim(path, shape)
         else:
             dim = largest_divisible_dim(shape, self.data_size, self.min_size)
         if dim is None:
             return P()
         return P(*([None] * dim), self.axis_name)
+
+    def _chosen_dim(self, path: str, shape: tuple[int, ...]) -> int | None:
+        """``shard_dim``'s dimension for one array, checked: an index of ``shape``
+        (negative ones count from the end) that the device count divides, or
+        ``None``."""
+        dim = self.shard_dim(path, shape)
+        if dim is None:
+            return None
+        said = f"FSDPStrategy(shard_dim=...) returned {dim!r} for {path} of shape {shape}"
+        whole = "None to keep the array whole"
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+            raise TypeError(f"{said}: return a dimension index (an int), or {whole}")
+        if not -len(shape) <= dim < len(shape):
+            dims = f"dimensions 0 to {len(shape) - 1}" if shape else "no dimensions"
+            raise ValueError(f"{said}, which has {dims}; return one of them, or {whole}")
+        dim = int(dim) % len(shape)
+        if shape[dim] % self.data_size:
+            raise ValueError(
+                f"{said}: its size {shape[dim]} does not split evenly over the "
+                f"{self.data_size} devices; return another dimension, or {whole}"
+            )
+        return dim
 
     def reduce_grads(self) -> Callable[[Any], Any]:
         axis = self.axis_name

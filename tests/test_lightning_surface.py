@@ -1,0 +1,155 @@
+"""The module and Trainer surface a Lightning port relies on: ``model(x)`` with the
+current weights, evaluation without passing the module, ``accelerator=``,
+``rank_zero_only``, Lightning's ``seed_everything`` (cases from
+tests/tests_pytorch/ of Lightning, cited per test)."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import jaxlightning as jl
+from jaxlightning import seed as seed_module
+from tests.helpers import LitMLP, digits, init_mlp, loader, np_logits, quiet_trainer
+
+X, Y = digits(64)
+VX, VY = digits(16, 500)
+
+
+class WithForward(LitMLP):
+    def forward(self, variables, x):
+        return self.net.apply(variables, x)
+
+    def predict_step(self, variables, batch):
+        return {"logits": self.forward(variables, batch[0])}  # forward is usable traced too
+
+
+class Probe(jl.Callback):
+    """Calls the module as Lightning callbacks do: ``pl_module(x)``."""
+
+    def __init__(self):
+        self.outputs = []
+        self.states = []
+
+    def on_train_epoch_end(self, trainer, module):
+        self.outputs.append(np.asarray(module(VX)))
+        self.states.append(trainer.state.variables)
+
+
+def test_calling_the_module_uses_its_current_weights():
+    probe = Probe()
+    module = WithForward()
+    trainer = quiet_trainer(max_epochs=2, callbacks=[probe])
+    trainer.fit(module, loader(X, Y, 16))
+    # in a callback, during fit: the train state's weights at that moment
+    for out, variables in zip(probe.outputs, probe.states, strict=True):
+        np.testing.assert_allclose(out, np_logits(variables["params"], VX), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(probe.outputs[0], probe.outputs[1])  # it trained in between
+    # after fit: the trained weights
+    np.testing.assert_allclose(
+        np.asarray(module(VX)), np_logits(module.variables["params"], VX), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_calling_the_module_without_forward_or_weights_says_what_to_do():
+    with pytest.raises(NotImplementedError, match="does not define"):
+        LitMLP()(VX)
+    with pytest.raises(RuntimeError, match="no weights yet"):
+        WithForward()(VX)
+
+    class LightningForward(LitMLP):
+        def forward(self, x):  # Lightning's signature: no variables
+            return x
+
+    with pytest.raises(TypeError, match=r"forward\(self, variables, x\)"):
+        LightningForward()(VX)
+
+
+class Digits(jl.DataModule):
+    def train_dataloader(self):
+        return loader(X, Y, 16)
+
+    def val_dataloader(self):
+        return loader(VX, VY, 8)
+
+    def test_dataloader(self):
+        return loader(VX, VY, 8)
+
+    def predict_dataloader(self):
+        return loader(VX, VY, 8)
+
+
+def test_test_and_predict_with_best_checkpoint_without_the_module(tmp_path):
+    # trainer/test_trainer.py::test_tested_checkpoint_path ("best", model not passed)
+    checkpoint = jl.ModelCheckpoint(monitor="val/acc", mode="max")
+    trainer = jl.Trainer(
+        max_epochs=2, default_root_dir=tmp_path, callbacks=[checkpoint],
+        enable_progress_bar=False, logger=False, enable_model_summary=False,
+    )  # fmt: skip
+    module, dm = WithForward(), Digits()
+    trainer.fit(module, datamodule=dm)
+    assert trainer.lightning_module is module
+    (results,) = trainer.test(ckpt_path="best", datamodule=dm)
+    best = WithForward.load_from_checkpoint(checkpoint.best_model_path)
+    logits = np_logits(best.variables["params"], VX)
+    assert results["test/acc"] == pytest.approx(float(np.mean(logits.argmax(-1) == VY)))
+    out = trainer.predict(ckpt_path="best", datamodule=dm)
+    np.testing.assert_allclose(out["logits"], logits, rtol=1e-4, atol=1e-4)
+
+
+def test_evaluating_without_a_module_before_fit_is_a_clear_error():
+    with pytest.raises(TypeError, match=r"trainer.validate\(\) needs the module"):
+        quiet_trainer().validate(dataloaders=loader(VX, VY, 8))
+
+
+def test_accelerator_cpu_and_a_missing_one():
+    # trainer/connectors/test_accelerator_connector.py: a named accelerator
+    assert quiet_trainer(accelerator="cpu").num_devices == jax.local_device_count("cpu")
+    with pytest.raises(RuntimeError, match="accelerator='gpu', but JAX finds no gpu device"):
+        quiet_trainer(accelerator="gpu")
+    with pytest.raises(ValueError, match="accelerator='xpu'"):
+        quiet_trainer(accelerator="xpu")
+
+
+def test_rank_zero_only_runs_on_process_zero():
+    calls = []
+
+    @jl.rank_zero_only
+    def record(value):
+        calls.append(value)
+        return value
+
+    assert record(3) == 3 and calls == [3]  # this is process 0
+
+
+def test_lightnings_seed_everything_seeds_the_trainer(monkeypatch):
+    # Lightning's seed_everything leaves its seed in PL_GLOBAL_SEED
+    monkeypatch.setattr(seed_module, "_global_seed", None)
+    monkeypatch.setitem(os.environ, "PL_GLOBAL_SEED", "1234")
+    assert quiet_trainer().seed == 1234
+
+
+def test_loss_may_return_lightnings_loss_dict():
+    # Lightning's training_step may return {"loss": loss}
+    class DictLoss(LitMLP):
+        def loss(self, variables, batch, rngs):
+            return {"loss": super().loss(variables, batch, rngs)}
+
+    variables = init_mlp()
+    plain, as_dict = LitMLP(init_variables=variables), DictLoss(init_variables=variables)
+    for module in (plain, as_dict):
+        quiet_trainer(max_steps=2).fit(module, loader(X, Y, 16))
+    for a, b in zip(
+        jax.tree.leaves(plain.variables), jax.tree.leaves(as_dict.variables), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_model_summary_shows_sizes_of_example_input_array(capsys):
+    # callbacks/test_model_summary.py: "In sizes" / "Out sizes" from example_input_array
+    module = WithForward()
+    module.example_input_array = np.zeros((5, 64), np.float32)
+    jl.Trainer(max_steps=1, logger=False, enable_progress_bar=False,
+               enable_checkpointing=False).fit(module, loader(X, Y, 16))  # fmt: skip
+    assert "In sizes: [5, 64] -- Out sizes: [5, 10]" in capsys.readouterr().out
