@@ -12,6 +12,7 @@ from jaxlightning.callbacks import TQDMProgressBar as TQDMProgressBar
 from jaxlightning.checkpoint import CheckpointError as CheckpointError
 from jaxlightning.data import BatchError as BatchError
 from jaxlightning.data import DataModule as DataModule
+from jaxlightning.data.arrays import arrays as arrays
 from jaxlightning.loggers import CSVLogger as CSVLogger
 from jaxlightning.loggers import Logger as Logger
 from jaxlightning.loggers import TensorBoardLogger as TensorBoardLogger

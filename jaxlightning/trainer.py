@@ -24,6 +24,7 @@ from jaxlightning import checks, compile_cache, distributed
 from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar, with_defaults
 from jaxlightning.checkpoint import read_meta
 from jaxlightning.data import Pipeline
+from jaxlightning.data.arrays import as_eval_loaders, as_loader
 from jaxlightning.data.datamodule import fit_loaders, is_datamodule, stage_loaders
 from jaxlightning.data.datamodule import prepare as prepare_datamodule
 from jaxlightning.data.prefetch import torch_threads
@@ -134,6 +135,26 @@ class Trainer:
             DataLoaders (seeded per epoch, each process reading only its share),
             which makes runs reproducible and resumable mid-epoch without
             reloading consumed batches.
+        data_on_device: ``"auto"`` keeps a training (or unshuffled evaluation)
+            dataset on the devices where that gives exactly the host path's
+            batches and it fits a share of device memory: a plain DataLoader
+            over a `TensorDataset` or over arrays, in a single process, under a
+            strategy with global batches; each step's rows are then gathered on
+            the devices. ``True`` insists (an error says why it cannot),
+            ``False`` always loads batches on the host. ``trainer.data_path``
+            and the model summary say which a fit uses.
+        steps_per_execution: train this many batches per dispatch (Keras's
+            name): one compiled program scans over them, so a small model
+            stops paying the host's per-step dispatch (and, with the data on
+            the devices, its per-step gather). Bitwise the same training as 1.
+            Reports, ``val_check_interval``, ``max_steps`` and
+            ``ModelCheckpoint(every_n_train_steps=...)`` end a dispatch early,
+            so they happen at their exact step; batch hooks still run once per
+            batch, after their dispatch (``trainer.steps_ahead`` says how many
+            steps the device state is then ahead); a stop requested in a batch
+            hook, a signal or a time limit takes effect at the dispatch's end.
+            A log interval that is a multiple of it keeps every dispatch whole.
+            Single process, ``shard_map``-based strategies.
         num_nodes: the number of processes of a multi-process job (one per
             node). A process started by ``python -m jaxlightning.launch``, SLURM,
             Open MPI or Kubernetes joins its job automatically; this only checks
@@ -181,6 +202,8 @@ class Trainer:
         enable_checkpointing: bool = True,
         stop_on_nonfinite_loss: bool = True,
         use_distributed_sampler: bool = True,
+        data_on_device: bool | str = "auto",
+        steps_per_execution: int = 1,
         num_nodes: int | None = None,
         compilation_cache_dir: str | os.PathLike[str] | None = None,
         enable_model_summary: bool = True,
@@ -224,6 +247,7 @@ class Trainer:
             compile_cache.enable(compilation_cache_dir)
         self.strategy = resolve_strategy(strategy)
         self.strategy.setup(resolve_devices(devices, accelerator))
+        steps_per_execution = checks.steps_per_execution(steps_per_execution, self.strategy)
         if logger is True:
             logger = TensorBoardLogger(self.default_root_dir)
         self.callbacks: list[Callback] = with_defaults(
@@ -249,10 +273,12 @@ class Trainer:
             seed=seed,
             own_order=use_distributed_sampler,
             shuffle_train=False if overfit_batches else None,
+            data_on_device=data_on_device,
         )
         self._program = program = Program(
             self.strategy, options, seed=seed, progress=progress,
             stop_on_nonfinite_loss=stop_on_nonfinite_loss,
+            steps_per_execution=steps_per_execution,
         )  # fmt: skip
         self._evaluation = EvalLoop(
             pipeline, program, hooks, reporter, progress, self._resolve_ckpt_path
@@ -272,6 +298,7 @@ class Trainer:
     num_training_batches = _read("_progress", "num_training_batches", "Batches of this epoch.")
     num_eval_batches = _read("_progress", "num_eval_batches", "Batches of this evaluation.")
     sanity_checking = _read("_progress", "sanity_checking", "In the sanity check's validation.")
+    steps_ahead = _read("_progress", "steps_ahead", "Steps the state is ahead of this batch.")
     callback_metrics = _read("_reporter", "callback_metrics", "Every reported value, by name.")
     logged_metrics = _read("_reporter", "logged_metrics", "The values last sent to loggers.")
     progress_bar_metrics = _read("_reporter", "progress_bar_metrics", "The bar's values.")
@@ -291,6 +318,13 @@ class Trainer:
         return float("inf") if n < 0 else n
 
     num_devices = _read("strategy", "num_devices", "Devices over all processes.")
+
+    @property
+    def data_path(self) -> str | None:
+        """Where the training batches of the last fit came from: ``"device"``
+        (a dataset resident on the devices, see ``data_on_device``) or
+        ``"host"``; ``None`` before any training."""
+        return self._pipeline.data_path
 
     @property
     def should_stop(self) -> bool:
@@ -354,6 +388,14 @@ class Trainer:
         """
         if not self._program.started:
             raise RuntimeError("nothing to checkpoint: fit has not started")
+        if self._progress.steps_ahead:
+            raise RuntimeError(
+                f"a checkpoint now would hold a train state {self._progress.steps_ahead} "
+                "step(s) ahead of this batch (steps_per_execution runs several batches per "
+                "dispatch); save at the end of a dispatch: in on_train_batch_end when "
+                "trainer.steps_ahead == 0, or with ModelCheckpoint(every_n_train_steps=...), "
+                "which ends dispatches at its steps"
+            )
         tree = self._program.checkpoint_tree()
         meta = resume.checkpoint_record(
             self._hooks,
@@ -418,8 +460,10 @@ class Trainer:
 
         Args:
             module: the model.
-            train_dataloaders: the training batches (a DataLoader, usually).
-            val_dataloaders: one loader or a list, or ``None``.
+            train_dataloaders: the training batches (a DataLoader, usually),
+                or arrays: an array, a tuple or a dict of them (batches of 32,
+                shuffled; `jl.arrays` chooses another batch size).
+            val_dataloaders: one loader (or arrays) or a list, or ``None``.
             datamodule: instead of the loaders, a `DataModule` (or a Lightning
                 ``LightningDataModule``) whose ``train_dataloader`` and, if it
                 has one, ``val_dataloader`` are used.
@@ -434,6 +478,7 @@ class Trainer:
         self._lightning_module = module
         with self._stage("fit", module, datamodule):
             train, val = fit_loaders(train_dataloaders, val_dataloaders, datamodule, module)
+            train, val = as_loader(train, shuffle=True), as_eval_loaders(val)
             self._fit(module, train, val, ckpt_path)
 
     def _fit(self, module: JaxModule, train: Any, val: Any, ckpt_path: Any) -> None:
@@ -553,7 +598,7 @@ class Trainer:
         self, stage: str, module: JaxModule, dataloaders: Any, datamodule: Any, ckpt_path: Any
     ) -> list[dict[str, float]]:
         with self._stage("validate" if stage == "validation" else stage, module, datamodule):
-            dataloaders = stage_loaders(stage, dataloaders, datamodule)
+            dataloaders = as_eval_loaders(stage_loaders(stage, dataloaders, datamodule))
             checks.module_hooks(module, eval_hook(module, stage))
             _ = self.log_dir  # fixes the run directory on every process at once
             return self._evaluation.run(stage, module, dataloaders, ckpt_path)
@@ -577,6 +622,6 @@ class Trainer:
             datamodule, dataloaders = dataloaders, None
         module = self._module_or_fitted(module, "predict")
         with self._stage("predict", module, datamodule):
-            dataloaders = stage_loaders("predict", dataloaders, datamodule)
+            dataloaders = as_eval_loaders(stage_loaders("predict", dataloaders, datamodule))
             checks.module_hooks(module, "predict_step")
             return self._evaluation.predict(module, dataloaders, ckpt_path)

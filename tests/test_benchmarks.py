@@ -33,8 +33,14 @@ def test_benchmark_suite_runs_on_tiny_settings(tmp_path):
     for ratio in (single["vs_bare_jit"]["batch_128"]["ratio"], multi["vs_seeds_pmap"]["ratio"]):
         assert ratio > 0
     startup = results["groups"]["startup"]["startup"]
-    assert startup["cold_compiled_per_fit"] == 3  # init, train step, eval step
+    # init, train step, eval step, and the gathers of the batches of the
+    # training and validation sets kept on the device (data_on_device="auto")
+    assert startup["cold_compiled_per_fit"] == 5
+    assert startup["cold_host_compiled_per_fit"] == 3  # batches from the host: no gathers
     assert startup["warm_compiled_per_fit"] == 0  # all from the persistent cache
-    assert startup["warm_cache_hits_per_fit"] == 3
+    assert startup["warm_cache_hits_per_fit"] == 5
+    data = results["groups"]["data"]["data_path"]
+    assert data["resident_vs_host"] > 0 and data["host"]["epoch_s"] > 0
+    assert data["spe8_vs_spe1"] > 0 and data["resident_spe8"]["epoch_s"] > 0
     assert single["vs_lightning"]["lightning_samples_per_s"] > 0
     assert "single.vs_bare_jit.batch_128.ratio" in done.stdout  # the table

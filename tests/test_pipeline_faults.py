@@ -42,8 +42,11 @@ def _fit_params(loader: DataLoader, *, max_epochs: int):
 
     from tests.helpers import LitMLP, init_mlp, quiet_trainer
 
-    trainer = quiet_trainer(max_epochs=max_epochs, seed=0)
+    # the host path, where DataLoader workers load (a TensorDataset would
+    # otherwise stay on the devices, and no worker would start)
+    trainer = quiet_trainer(max_epochs=max_epochs, seed=0, data_on_device=False)
     trainer.fit(LitMLP(init_variables=init_mlp()), loader)
+    assert trainer.data_path == "host"
     return jax.device_get(trainer.state.params)
 
 

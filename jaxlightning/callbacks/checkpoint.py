@@ -157,7 +157,10 @@ class ModelCheckpoint(Callback):
             self._commit()  # a failed save surfaces here, at the next step boundary
         n = self.every_n_train_steps
         due = n >= 1 and trainer.global_step % n == 0
-        if (self._time_due() or due) and not self._skips(trainer):
+        # With several steps per dispatch the state is the batch's own only at a
+        # dispatch's end (where every_n_train_steps ends one): time waits for it.
+        timed = not trainer.steps_ahead and self._time_due()
+        if (timed or due) and not self._skips(trainer):
             self._check(trainer, module, self._candidates(trainer), as_last=self.save_last)
 
     def on_validation_end(self, trainer: TrainerView, module: JaxModule) -> None:

@@ -43,7 +43,7 @@ class ModelSummary(Callback):
         self.summary = parameter_overview.get_parameter_overview(
             flat_shapes(shapes), include_stats=False, max_lines=self.max_lines
         )
-        self.summary += _in_out_sizes(trainer, module)
+        self.summary += _in_out_sizes(trainer, module) + _data_path(trainer)
         print(self.summary, flush=True)
 
 
@@ -64,6 +64,16 @@ def _in_out_sizes(trainer: TrainerView, module: JaxModule) -> str:
     variables = jax.eval_shape(lambda state: state.variables, trainer.state)
     out = jax.eval_shape(module.forward, variables, *args)
     return f"\nIn sizes: {_shapes_text(args)} -- Out sizes: {_shapes_text(out)}"
+
+
+def _data_path(trainer: TrainerView) -> str:
+    """Which data path the fit's training batches take, or ``""``."""
+    path = getattr(trainer, "data_path", None)
+    if path == "device":
+        return "\nData: on the devices (each step's rows gathered there)"
+    if path == "host":
+        return "\nData: from the host (loaded, converted and copied each step)"
+    return ""
 
 
 def _key_name(key: Any) -> str:

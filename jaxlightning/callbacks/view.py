@@ -45,6 +45,11 @@ class TrainerView(Protocol):
     @property
     def train_samples_seen(self) -> int: ...
     @property
+    def steps_ahead(self) -> int:
+        """Train steps the device state is ahead of this batch hook's batch
+        (0 unless ``steps_per_execution`` runs several batches per dispatch)."""
+
+    @property
     def num_training_batches(self) -> int | None: ...
     @property
     def num_eval_batches(self) -> int | None: ...

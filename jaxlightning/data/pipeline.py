@@ -23,6 +23,7 @@ import numpy as np
 from jaxlightning import distributed
 from jaxlightning.data.convert import Padder, Rows, loader_batch_size
 from jaxlightning.data.prefetch import Batches, DeviceBatch, Prefetcher
+from jaxlightning.data.resident import ResidentDataset, device_budget, residable
 from jaxlightning.data.sampling import (
     BatchSlice,
     EpochSampler,
@@ -71,6 +72,10 @@ class Pipeline:
             share only, resumable mid-epoch without loading skipped batches.
         shuffle_train: ``False`` keeps training data in dataset order
             (``overfit_batches``); ``None`` follows the loader.
+        data_on_device: ``"auto"``: keep a `TensorDataset` behind a plain
+            DataLoader on the devices where that is exact and it fits
+            (`ResidentDataset`); ``True``: do so or raise saying why not;
+            ``False``: always the host path.
 
     A rebuilt loader is built once per user loader and re-aimed each epoch, so
     ``persistent_workers=True`` keeps its worker processes; DataLoader workers
@@ -86,7 +91,15 @@ class Pipeline:
         seed: int,
         own_order: bool,
         shuffle_train: bool | None = None,
+        data_on_device: bool | str = "auto",
     ) -> None:
+        if data_on_device not in ("auto", True, False):
+            raise ValueError(
+                f'data_on_device must be "auto", True or False, got {data_on_device!r}'
+            )
+        self.data_on_device = data_on_device
+        # where the last training pass came from: "device", "host" (None: none yet)
+        self.data_path: str | None = None
         self.strategy = strategy
         self.schedule = schedule
         self.seed = seed
@@ -116,6 +129,16 @@ class Pipeline:
     def train_epoch(self, loader: Any, epoch: int, skip: int = 0) -> Batches:
         """Epoch ``epoch``'s training batches from batch ``skip`` on (at most the
         limited count per epoch); the first is ready on return."""
+        resident = self._resident(loader, "train", self.shuffle_train)
+        self.data_path = "host" if resident is None else "device"
+        if resident is not None:
+            indices: Iterable[Any] = resident.epoch(epoch, skip)
+            per_epoch = self.train_batches_per_epoch(loader)
+            if self.schedule.limit_train_batches is not None and per_epoch is not None:
+                indices = BatchSlice(indices, 0, max(per_epoch - skip, 0))
+            return self._start(
+                indices, "train_dataloaders", epoch, allow_empty=skip > 0, resident=resident
+            )
         ordered = self._ordered(loader, "train", epoch, skip, self.shuffle_train)
         total = self._common_total(loader, ordered, skip)
         per_epoch = self.train_batches_per_epoch(loader)
@@ -130,6 +153,11 @@ class Pipeline:
     def example_batch(self, loader: Any) -> DeviceBatch:
         """The first training batch of epoch 0, for shapes (a resumed epoch may
         have none left; ``limit_train_batches=0`` trains on none)."""
+        resident = self._resident(loader, "train", self.shuffle_train)
+        self.data_path = "host" if resident is None else "device"
+        if resident is not None:
+            with self._start(resident.epoch(0), "train_dataloaders", 0, resident=resident) as b:
+                return b.first
         ordered = self._ordered(loader, "train", 0, 0, self.shuffle_train)
         total = self._common_total(loader, ordered)
         with self._start(ordered, "train_dataloaders", 0, total=total) as batches:
@@ -141,6 +169,12 @@ class Pipeline:
         """An evaluation loader's batches (at most ``limit``), during ``epoch``:
         in a multi-process run, this process's share, the same count on every
         process."""
+        resident = self._resident(loader, "eval", False)
+        if resident is not None:
+            indices: Iterable[Any] = resident.epoch(0)
+            if limit is not None:
+                indices = BatchSlice(indices, 0, limit)
+            return self._start(indices, name, epoch, resident=resident)
         if jax.process_count() == 1:
             source = self._wrap(loader, "eval", whole_batches)
             if limit is not None:
@@ -170,6 +204,52 @@ class Pipeline:
         return [sampler.share(p) for p in range(processes)]
 
     # -------------------------------------------------------------- internals
+    def _resident(self, loader: Any, role: str, shuffle: bool | None) -> ResidentDataset | None:
+        """``loader``'s dataset kept on the devices, built once per loader and
+        role, where ``data_on_device`` asks for it and it is exact and fits;
+        else ``None`` (the host path). ``role`` ``"eval"`` reads in the
+        loader's own order, which must then be the dataset's."""
+        if self.data_on_device is False:
+            return None
+        why = self._not_residable(loader, role)
+        if why:
+            if self.data_on_device is True and role == "train":
+                raise ValueError(f"data_on_device=True, but {why}; pass data_on_device='auto'")
+            return None
+        replicated, batch = self.strategy.batch_placement  # type: ignore[misc]
+
+        def make(ld: Any) -> ResidentDataset:
+            return ResidentDataset(
+                ld,
+                replicated=replicated,
+                batch=batch,
+                multiple=self.strategy.num_local_shards,
+                seed=self.seed,
+                shuffle=False if role == "eval" else shuffle,
+            )
+
+        return self._wrap(loader, f"resident-{role}", make)
+
+    def _not_residable(self, loader: Any, role: str) -> str:
+        """Why ``loader``'s batches cannot be gathered on the devices ("" if they can)."""
+        if jax.process_count() > 1:
+            return "a multi-process run reads each process's share on the host"
+        if self.strategy.batch_placement is None:
+            return f"the {self.strategy.name!r} strategy places per-device batches itself"
+        if not residable(loader, shuffle_allowed=role != "eval"):
+            return (
+                "the data is not a plain DataLoader over a TensorDataset (or arrays) with the "
+                "default collate_fn, read in the Trainer's order"
+                + (" and unshuffled" if role == "eval" else "")
+            )
+        if role != "eval" and not self.own_order:
+            return "use_distributed_sampler=False leaves the order to the DataLoader"
+        need = ResidentDataset.nbytes(loader)
+        budget = device_budget(self.strategy.devices)
+        if need > budget:
+            return f"its {need / 2**20:.0f} MiB do not fit the {budget / 2**20:.0f} MiB per device"
+        return ""
+
     def _wrap(self, loader: Any, role: str, make: Any) -> Any:
         """``make(loader)``, built once per loader and role (while the user keeps
         the loader)."""
@@ -229,13 +309,25 @@ class Pipeline:
         *,
         allow_empty: bool = False,
         total: int | None = None,
+        resident: ResidentDataset | None = None,
     ) -> Batches:
         """Starts prefetching ``loader``; its first batch is ready on return.
 
         With ``total``, yields exactly that many batches, adding all-padding
         ones at the end: every process of a multi-process run must run the same
-        number of steps. The caller closes the result.
+        number of steps. With ``resident``, ``loader`` yields dataset indices
+        and the batches are gathered on the devices (no thread: there is no
+        host work to overlap). The caller closes the result.
         """
+        if resident is not None:
+            batches = Batches(Prefetcher(loader, lambda idx: resident.device_batch(idx, epoch), 0))
+            if batches.first is None and not allow_empty:
+                batches.close()
+                raise ValueError(
+                    f"{name} yielded no batches; check the dataset's length and the "
+                    "DataLoader's drop_last setting"
+                )
+            return batches
         padder = Padder(self.strategy.num_local_shards, loader_batch_size(loader))
         put = self.strategy.put_batch
 

@@ -28,6 +28,7 @@ from torch.utils.data import (
     default_collate,
 )
 
+from jaxlightning.data.arrays import ArrayDataset
 from jaxlightning.data.convert import loader_batch_size
 
 
@@ -157,7 +158,7 @@ def whole_batches(loader: Any) -> Any:
     """
     if (
         type(loader) is DataLoader
-        and type(loader.dataset) is TensorDataset
+        and type(loader.dataset) in (TensorDataset, ArrayDataset)
         and loader.batch_sampler is not None
         and loader.collate_fn is default_collate
     ):

@@ -167,28 +167,96 @@ class FitLoop:
         # validation due there) runs that validation first, as the run it continues did.
         if skip and val_loaders is not None and not progress.validated:
             self._validate_after(module, val_loaders, epoch, skip, epoch_batches)
+        group: list[tuple[int, Any]] = []  # batches for one dispatch
         for batch_idx, batch in enumerate(batches, start=skip):
-            if self.stop.before_batch():
+            if not group and self.stop.before_batch():
                 return
-            self.hooks("on_train_batch_start", module, batch_idx)
-            self.program.train(batch)
-            progress.train_samples_seen += batch.host.real
-            updated = progress.count_micro_batch()
-            progress.position = (epoch, batch_idx + 1)
-            progress.validated = False
-            at_report = updated and progress.global_step % self.log_every_n_steps == 0
-            if at_report:
-                self._report_train()
-            self.stop.poll_signal(at_report)
-            self.hooks("on_train_batch_end", module, batch_idx)
-            self.stop.poll_time(at_report)
-            if val_loaders is not None and not self.stop.signum:  # else after resuming
-                self._validate_after(
-                    module, val_loaders, epoch, batch_idx + 1, epoch_batches, at_report
-                )
+            group.append((batch_idx, batch))
+            ends = self._group_ends(
+                epoch, batch_idx + 1, batch_idx + 1 - skip, len(group), epoch_batches, val_loaders
+            )
+            if not ends:
+                continue
+            self._train_group(module, val_loaders, epoch, group, epoch_batches)
+            group = []
+        if group:  # a loader without a length ran out
+            self._train_group(module, val_loaders, epoch, group, epoch_batches)
         progress.epoch_completed = True
         if progress.end_partial_update():  # an epoch ending between two updates
             self.program.flush()
+
+    def _group_ends(
+        self,
+        epoch: int,
+        done: int,
+        run: int,
+        size: int,
+        epoch_batches: int | None,
+        val_loaders: Any,
+    ) -> bool:
+        """Whether a group of ``size`` batches ending with the epoch's batch
+        ``done`` (1-based; the ``run``-th since the epoch (re)started)
+        dispatches now: at ``steps_per_execution`` batches, or where the host
+        acts on the state after its last batch (the epoch's or ``max_steps``'
+        last batch, a report, a validation counted in batches, a
+        ModelCheckpoint's ``every_n_train_steps``)."""
+        if size >= self.program.steps_per_execution:
+            return True
+        progress = self.progress
+        if run == progress.num_training_batches:
+            return True
+        step, updated = progress.step_after(size)
+        if updated and step % self.log_every_n_steps == 0:
+            return True
+        for checkpoint in self.hooks.of_type(ModelCheckpoint):
+            n = checkpoint.every_n_train_steps
+            if updated and n >= 1 and step % n == 0:
+                return True
+        schedule = self.schedule
+        if val_loaders is None or not schedule.validates_in(epoch):
+            return False
+        return schedule.val_check_seconds is None and schedule.validate_after_batch(
+            epoch, done, epoch_batches, progress.total_batches + size
+        )
+
+    def _train_group(
+        self,
+        module: JaxModule,
+        val_loaders: Any,
+        epoch: int,
+        group: list[tuple[int, Any]],
+        epoch_batches: int | None,
+    ) -> None:
+        """Trains ``group``'s batches in one dispatch, then runs each one's hooks
+        and bookkeeping in turn (its first ``on_train_batch_start`` before the
+        dispatch, as with one batch per dispatch). Reports and validations fall
+        on a group's last batch, where the state is the batch's own."""
+        progress = self.progress
+        first_idx = group[0][0]
+        self.hooks("on_train_batch_start", module, first_idx)
+        self.program.train_group([batch for _, batch in group])
+        last = len(group) - 1
+        try:
+            for i, (batch_idx, batch) in enumerate(group):
+                progress.steps_ahead = last - i
+                if i:
+                    self.hooks("on_train_batch_start", module, batch_idx)
+                progress.train_samples_seen += batch.host.real
+                updated = progress.count_micro_batch()
+                progress.position = (epoch, batch_idx + 1)
+                progress.validated = False
+                at_report = updated and progress.global_step % self.log_every_n_steps == 0
+                if at_report:
+                    self._report_train()
+                self.stop.poll_signal(at_report)
+                self.hooks("on_train_batch_end", module, batch_idx)
+                self.stop.poll_time(at_report)
+                if i == last and val_loaders is not None and not self.stop.signum:
+                    self._validate_after(  # else after resuming
+                        module, val_loaders, epoch, batch_idx + 1, epoch_batches, at_report
+                    )
+        finally:
+            progress.steps_ahead = 0
 
     def _validate_after(
         self,

@@ -19,6 +19,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
 import optax
 
 from jaxlightning.checkpoint import restore, restore_variables
@@ -30,6 +31,7 @@ from jaxlightning.compiling import (
     join_quietly,
 )
 from jaxlightning.data import DeviceBatch
+from jaxlightning.loop.multistep import host_steps, resident_batches
 from jaxlightning.loop.progress import Progress
 from jaxlightning.module import JaxModule
 from jaxlightning.nnx_support import NnxGraph
@@ -86,6 +88,7 @@ class Program:
         seed: seeds initialisation and every per-device, per-step key.
         progress: the run's position (named in non-finite loss errors).
         stop_on_nonfinite_loss: raise `NonFiniteLossError` at the next report.
+        steps_per_execution: the most batches `train_group` runs in one dispatch.
     """
 
     def __init__(
@@ -96,12 +99,14 @@ class Program:
         seed: int,
         progress: Progress,
         stop_on_nonfinite_loss: bool = True,
+        steps_per_execution: int = 1,
     ) -> None:
         self.strategy = strategy
         self.options = options
         self.seed = seed
         self.progress = progress
         self.stop_on_nonfinite_loss = stop_on_nonfinite_loss
+        self.steps_per_execution = steps_per_execution
         self.train_options: Options = {}
         self.fit_module: JaxModule | None = None  # whose variables the state holds
         self._state: TrainState | None = None
@@ -109,6 +114,8 @@ class Program:
         self._acc0: TrainMetrics | None = None
         self._train_step: Any = None
         self._flush: Any = None
+        self._steps: Any = None  # the train step as jitted (for groups of batches)
+        self._group_fns: dict[str, Any] = {}
         self._eval_fns: dict[Any, Any] = {}
         self._in_flight: deque[Any] = deque()
 
@@ -163,6 +170,7 @@ class Program:
         else:
             parts = build_train_parts(module, tx, self.options, self.strategy.reduce_grads())
             train_step = self.strategy.compile_train(parts)
+        self._steps, self._group_fns = train_step, {}
         train_step = self.strategy.precompile(train_step, shapes, acc0, example.data, example.mask)
         if isinstance(train_step, Precompiled):
             threads.callback(train_step.join)
@@ -257,6 +265,30 @@ class Program:
     def train(self, batch: DeviceBatch) -> None:
         """Dispatches one train step (waits for an older one past the bound)."""
         self._state, self._acc = self._train_step(self._state, self._acc, batch.data, batch.mask)
+        self.throttle(self._acc)
+
+    def train_group(self, batches: list[Any]) -> None:
+        """Dispatches the train steps of ``batches`` as one program (`multistep`):
+        the state ends as ``train`` of each in turn would leave it. A group
+        shorter than ``steps_per_execution`` (cut by a report, a validation, an
+        epoch's end) runs batch by batch instead: one group program to compile,
+        not one per length."""
+        if len(batches) < self.steps_per_execution or len(batches) == 1:
+            for batch in batches:
+                self.train(batch)
+            return
+        if "host" not in self._group_fns:
+            replicated, sharded = self.strategy.batch_placement  # type: ignore[misc]
+            self._group_fns["host"] = host_steps(self._steps, sharded)
+            self._group_fns["resident"] = resident_batches(replicated, sharded)
+        resident = getattr(batches[0], "dataset", None)
+        if resident is not None and all(getattr(b, "dataset", None) is resident for b in batches):
+            indices = np.stack([b.indices for b in batches])
+            rows = jax.tree.map(lambda *r: np.stack(r), *(b.rows for b in batches))
+            data, masks = self._group_fns["resident"](resident.data, indices, rows)
+        else:
+            data, masks = tuple(b.data for b in batches), tuple(b.mask for b in batches)
+        self._state, self._acc = self._group_fns["host"](self._state, self._acc, data, masks)
         self.throttle(self._acc)
 
     def flush(self) -> None:

@@ -34,6 +34,9 @@ class Progress:
         fitting: a fit is running (loggers then number steps as Lightning does).
         validated: the validation due after the batch at ``position`` has run
             (a run resumed there does not run it again).
+        steps_ahead: how many train steps the device state is ahead of the
+            batch whose hooks run (``steps_per_execution``: a dispatch runs
+            several batches, whose hooks then run one by one after it).
     """
 
     accumulate: int = 1
@@ -50,6 +53,7 @@ class Progress:
     sanity_checking: bool = False
     fitting: bool = False
     validated: bool = False
+    steps_ahead: int = 0
 
     @property
     def log_step(self) -> int:
@@ -90,6 +94,12 @@ class Progress:
         self.micro = 0
         self.global_step += 1
         return True
+
+    def step_after(self, batches: int) -> tuple[int, bool]:
+        """``(global_step, updated)`` after ``batches`` more micro-batches:
+        the update count then, and whether the last of them completes an update."""
+        micro = self.micro + batches
+        return self.global_step + micro // self.accumulate, micro % self.accumulate == 0
 
     def batches_until(self, max_steps: int) -> int:
         """Micro-batches left until update ``max_steps``."""

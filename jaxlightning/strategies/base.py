@@ -94,6 +94,14 @@ class Strategy(abc.ABC):
         return sum(d.process_index == me for d in self.devices)
 
     @property
+    def batch_placement(self) -> tuple[jax.sharding.Sharding, jax.sharding.Sharding] | None:
+        """Where a device-resident dataset goes and where its batches are
+        gathered to: (an array every device holds whole, a batch split over the
+        data axis); ``None`` where batches are not one global array (``pmap``)
+        or come from several processes."""
+        return None
+
+    @property
     def num_local_shards(self) -> int:
         """How many ways this process's host batch is split (one shard per
         device along the data axis)."""

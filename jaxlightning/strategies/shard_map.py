@@ -69,6 +69,12 @@ class ShardMapStrategy(Strategy):
             d.platform == "cpu" for d in self.devices
         )
 
+    @property
+    def batch_placement(self) -> tuple[jax.sharding.Sharding, jax.sharding.Sharding] | None:
+        if jax.process_count() > 1:
+            return None
+        return self._replicated, self._sharded
+
     def replicate(self, tree: Any) -> Any:
         return jax.device_put(tree, self._replicated)
 

@@ -1,0 +1,76 @@
+"""Several train steps in one dispatch (``Trainer(steps_per_execution=k)``).
+
+One program runs the compiled train step over a group of batches with
+`jax.lax.scan`, carrying the state and the metric accumulator from batch to
+batch exactly as k dispatches would: the same step, the same keys (they are
+derived from the state's step counter), the same order of merges, hence the
+same bits. What goes away is the host's per-step work: one dispatch, and for a
+dataset resident on the devices one gather, per group instead of per batch.
+
+Groups shorter than k (ended early at a report, a validation, an epoch's end)
+compile once per length; a group of one uses the single step itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxlightning.data.convert import Rows
+
+
+def _scan(step: Callable[..., Any], state: Any, acc: Any, xs: Any, batch_of: Any) -> Any:
+    def body(carry: Any, x: Any) -> tuple[Any, None]:
+        batch, rows = batch_of(x)
+        return step(*carry, batch, rows), None
+
+    return jax.lax.scan(body, (state, acc), xs)[0]
+
+
+def host_steps(
+    step: Callable[..., Any], batch: jax.sharding.Sharding
+) -> Callable[[Any, Any, tuple[Any, ...], tuple[Rows, ...]], tuple[Any, Any]]:
+    """``(state, acc, batches, rows) -> (state, acc)``: ``step`` over a tuple of
+    placed (or host) batches and their `Rows`, stacked inside the program.
+
+    Args:
+        step: the compiled ``(state, acc, batch, rows) -> (state, acc)``.
+        batch: the sharding of one batch (rows split over the data axis).
+    """
+
+    def jl_train_steps(state, acc, batches, rows):
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
+        stacked_rows = jax.tree.map(lambda *xs: jnp.stack(xs), *rows)
+        return _scan(step, state, acc, (stacked, stacked_rows), lambda x: x)
+
+    return jax.jit(jl_train_steps, in_shardings=(None, None, batch, batch), donate_argnums=(0,))
+
+
+def resident_batches(
+    replicated: jax.sharding.Sharding, batch: jax.sharding.Sharding
+) -> Callable[[Any, Any, Rows], tuple[tuple[Any, ...], tuple[Rows, ...]]]:
+    """``(data, indices, rows) -> (batches, rows)``: a group's batches of a
+    dataset resident on the devices (``data``, whole on every device), gathered
+    in one dispatch from their row ``indices`` (``(k, rows)``) with their `Rows`
+    (each ``(k, rows)``), placed as single batches are, for `host_steps`.
+
+    The gather is a dispatch of its own: gathered inside the scanning program,
+    the batches' logged sums rounded differently on two CPU devices (1 ulp).
+    """
+    mesh = batch.mesh  # type: ignore[attr-defined]
+    spec = batch.spec  # type: ignore[attr-defined]
+    stacked = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec))
+
+    def jl_resident_batches(data, indices, rows):
+        k = indices.shape[0]
+        batches = tuple(
+            jax.tree.map(lambda d, i=i: jnp.take(d, indices[i], axis=0), data) for i in range(k)
+        )
+        return batches, tuple(jax.tree.map(lambda r, i=i: r[i], rows) for i in range(k))
+
+    return jax.jit(
+        jl_resident_batches, in_shardings=(replicated, stacked, stacked), out_shardings=batch
+    )
