@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import jax
+import torch
 
 import jaxlightning as jl
 from benchmarks import common, lightning_arm
@@ -282,7 +283,9 @@ def slow_loader(size: dict[str, int], rounds: int) -> dict[str, Any]:
     }
 
 
-def _startup(framework: str, cache: str | None, samples: int) -> dict[str, Any]:
+def _startup(
+    framework: str, cache: str | None, samples: int, host: bool = False
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as root:
         cmd = [
             sys.executable,
@@ -297,6 +300,8 @@ def _startup(framework: str, cache: str | None, samples: int) -> dict[str, Any]:
         ]
         if cache:
             cmd += ["--cache", cache]
+        if host:
+            cmd.append("--host")
         done = subprocess.run(
             cmd,
             capture_output=True,
@@ -317,6 +322,8 @@ def startup(size: dict[str, int], rounds: int) -> dict[str, Any]:
     arms = {
         "cold": lambda: _startup("jl", None, samples),
         "warm": lambda: _startup("jl", cache, samples),
+        # the same job with its batches loaded on the host (data_on_device=False)
+        "cold_host": lambda: _startup("jl", None, samples, host=True),
     }
     if lightning_arm.available():
         arms["lightning"] = lambda: _startup("lightning", None, samples)
@@ -328,6 +335,10 @@ def startup(size: dict[str, int], rounds: int) -> dict[str, Any]:
     out["cold_compiled_per_fit"] = res["cold"][0]["compiled"]
     out["warm_compiled_per_fit"] = res["warm"][0]["compiled"]
     out["warm_cache_hits_per_fit"] = res["warm"][0]["cache_hits"]
+    out["cold_host_compiled_per_fit"] = res["cold_host"][0]["compiled"]
+    out["cold_over_cold_host_fit"] = _median(
+        [c["fit"] / h["fit"] for c, h in zip(res["cold"], res["cold_host"], strict=True)]
+    )
     out["warm_over_cold_first_step"] = _median(
         [w["first_step"] / c["first_step"] for w, c in zip(res["warm"], res["cold"], strict=True)]
     )
@@ -336,4 +347,65 @@ def startup(size: dict[str, int], rounds: int) -> dict[str, Any]:
             out[f"{name}_fit_over_lightning"] = _median(
                 [o["fit"] / p["fit"] for o, p in zip(res[name], res["lightning"], strict=True)]
             )
+    return out
+
+
+def data_path(size: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Issue 23's arm: an MNIST-shaped MLP (784 -> 256 -> 256 -> 10, batch 128, Adam,
+    shuffled) on one device, a steady epoch side by side: the Trainer over a
+    DataLoader of a TensorDataset with its batches resident on the device (the
+    default; one step and eight steps per dispatch) and on the host path; bare jit loops over the DataLoader and over
+    device-resident arrays (the physical reference); Keras 3 on JAX over numpy
+    arrays and PyTorch Lightning, where installed."""
+    batch, epochs = 128, size["epochs"] + 1
+    x, y = common.data(size["short_samples"], 784)
+    dl = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)),
+        batch_size=batch,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
+    arms: dict[str, Any] = {
+        "resident": lambda: common.trainer_epochs(dl, epochs, devices=1)[0],
+        # eight steps per dispatch; a logging interval of 48 keeps every group whole
+        "resident_spe8": lambda: common.trainer_epochs(
+            dl, epochs, devices=1, steps_per_execution=8, log_every_n_steps=48
+        )[0],
+        "host": lambda: common.trainer_epochs(dl, epochs, devices=1, data_on_device=False)[0],
+        "bare_loader": lambda: common.bare_jit_epochs(dl, epochs)[0],
+        "bare_resident": lambda: common.bare_resident_epochs(x, y, batch, epochs),
+    }
+    if common.keras_available():
+        arms["keras"] = lambda: common.keras_epochs(x, y, batch, epochs, 1)
+        arms["keras_spe8"] = lambda: common.keras_epochs(x, y, batch, epochs, 8)
+    if lightning_arm.available():
+
+        def lightning() -> list[float]:
+            with tempfile.TemporaryDirectory() as root:
+                return lightning_arm.fit(dl, epochs, root)
+
+        arms["lightning"] = lightning
+    res = common.interleave(rounds, arms)
+    epoch = {name: [common.steady(t) for t in runs] for name, runs in res.items()}
+    out: dict[str, Any] = {
+        name: {"epoch_s": _median(times), "samples_per_s": len(x) / _median(times)}
+        for name, times in epoch.items()
+    }
+
+    def ratio(slower: str, faster: str) -> float:
+        pairs = zip(epoch[slower], epoch[faster], strict=True)
+        return _median([s / f for s, f in pairs])
+
+    out["resident_vs_host"] = ratio("host", "resident")
+    out["spe8_vs_spe1"] = ratio("resident", "resident_spe8")
+    out["spe8_vs_bare_resident"] = ratio("bare_resident", "resident_spe8")
+    out["resident_vs_bare_resident"] = ratio("bare_resident", "resident")
+    out["resident_vs_bare_loader"] = ratio("bare_loader", "resident")
+    if "keras" in epoch:
+        out["resident_vs_keras"] = ratio("keras", "resident")
+        out["resident_vs_keras_spe8"] = ratio("keras_spe8", "resident")
+        out["spe8_vs_keras_spe8"] = ratio("keras_spe8", "resident_spe8")
+    if "lightning" in epoch:
+        out["resident_vs_lightning"] = ratio("lightning", "resident")
+        out["spe8_vs_lightning"] = ratio("lightning", "resident_spe8")
     return out

@@ -248,3 +248,88 @@ def interleave(rounds: int, arms: dict[str, Callable[[], Any]]) -> dict[str, lis
         for name, arm in arms.items():
             results[name].append(arm())
     return results
+
+
+def bare_resident_epochs(x: np.ndarray, y: np.ndarray, batch: int, epochs: int) -> list[float]:
+    """The physical reference: the data on the device, each step one jitted call
+    that gathers its rows there (a permutation per epoch, drawn on the host)."""
+    net, tx = MLP(), optax.adam(LR)
+    params = init_params(x.shape[1])
+    opt_state = tx.init(params)
+    dx, dy = jax.device_put((x, y))
+
+    @jax.jit
+    def step(params, opt_state, idx):
+        xb, yb = dx[idx], dy[idx]
+
+        def loss_fn(p):
+            logits = net.apply(p, xb)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+
+        grads = jax.grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    times = []
+    rng = np.random.default_rng(0)
+    for _ in range(epochs):
+        start = time.perf_counter()
+        order = rng.permutation(len(x)).astype(np.int32)
+        for k in range(len(x) // batch):
+            params, opt_state = step(params, opt_state, order[k * batch : (k + 1) * batch])
+        jax.block_until_ready(params)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def keras_available() -> bool:
+    import os
+
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    try:
+        import keras  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def keras_epochs(
+    x: np.ndarray, y: np.ndarray, batch: int, epochs: int, steps_per_execution: int
+) -> list[float]:
+    """Keras 3 on JAX, ``model.fit`` on numpy arrays (``KERAS_BACKEND=jax``)."""
+    import os
+
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras
+
+    if keras.backend.backend() != "jax":
+        raise RuntimeError("set KERAS_BACKEND=jax before keras is imported")
+    model = keras.Sequential(
+        [
+            keras.Input((x.shape[1],)),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(LR),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=steps_per_execution,
+        jit_compile=True,
+    )
+
+    class Times(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.times.append(time.perf_counter() - self.start)
+
+    times = Times()
+    model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=0, callbacks=[times])
+    return times.times

@@ -37,6 +37,7 @@ GROUPS: dict[str, tuple[int, list[str]]] = {
     ),
     "multi": (8, ["vs_seeds_pmap", "strategies", "sharded"]),
     "startup": (1, ["startup"]),
+    "data": (1, ["data_path"]),
 }
 
 # (result path, target, higher is better)
@@ -51,6 +52,11 @@ TARGETS: list[tuple[str, float, bool]] = [
     ("startup.startup.warm_over_cold_first_step", 0.5, False),
     ("startup.startup.cold_fit_over_lightning", 2.0, False),
     ("startup.startup.warm_fit_over_lightning", 1.0, False),
+    ("data.data_path.resident_vs_keras", 1.2, True),
+    ("data.data_path.resident_vs_lightning", 2.5, True),
+    ("data.data_path.resident_vs_bare_resident", 0.9, True),
+    ("data.data_path.spe8_vs_keras_spe8", 1.2, True),
+    ("data.data_path.spe8_vs_lightning", 2.5, True),
 ]
 
 

@@ -22,6 +22,7 @@ def main() -> None:
     p.add_argument("--root", required=True)
     p.add_argument("--cache")
     p.add_argument("--samples", type=int, default=20000)
+    p.add_argument("--host", action="store_true", help="data_on_device=False")
     p.add_argument("--features", type=int, default=784)
     args = p.parse_args()
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
@@ -74,6 +75,7 @@ def main() -> None:
         default_root_dir=args.root,
         compilation_cache_dir=args.cache,
         callbacks=[First()],
+        data_on_device=not args.host and "auto",
     )
     trainer.fit(common.LitMLP(), train, val)
     end = time.perf_counter()
