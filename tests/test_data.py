@@ -136,7 +136,8 @@ def test_tensor_dataset_batches_are_fetched_whole_and_equal_per_example_ones(
 ):
     from torch.utils.data import BatchSampler, TensorDataset
 
-    from jaxlightning.data.sampling import EpochSampler, epoch_loader
+    from jaxlightning.data.convert import to_numpy
+    from jaxlightning.data.sampling import EpochSampler, IndexedEpoch, epoch_loader, whole_batches
 
     x = torch.randn(40, 3)
     ds = TensorDataset(x, torch.arange(40), x.to(torch.bfloat16))
@@ -152,14 +153,24 @@ def test_tensor_dataset_batches_are_fetched_whole_and_equal_per_example_ones(
         return getitem(self, index)
 
     monkeypatch.setattr(TensorDataset, "__getitem__", spy)
-    got = list(epoch_loader(user, epoch=2, seed=5, skip_batches=1))
-    assert indexed_with and set(indexed_with) == {list}  # one indexing per batch
-    assert len(got) == len(expected) == (4 if drop_last else 5)
-    for g, e in zip(got, expected, strict=True):
-        assert type(g) is type(e)
-        for a, b in zip(g, e, strict=True):
+    # Read in the main process: indexed from the numpy arrays, no __getitem__ at all
+    epoch = epoch_loader(user, epoch=2, seed=5, skip_batches=1)
+    assert isinstance(epoch, IndexedEpoch)
+    indexed = list(epoch)
+    assert not indexed_with
+    # Through a DataLoader (workers, or an order the Trainer does not own): one
+    # indexing per batch
+    placed = DataLoader(ds, batch_size=7, sampler=sampler, drop_last=drop_last)
+    fetched = list(whole_batches(placed))
+    assert indexed_with and set(indexed_with) == {list}
+    assert len(indexed) == len(fetched) == len(expected) == (4 if drop_last else 5)
+    for i, f, e in zip(indexed, fetched, expected, strict=True):
+        assert type(f) is type(e) is type(i) is list
+        for a, b, c in zip(f, e, i, strict=True):
             assert a.dtype == b.dtype
             assert torch.equal(a, b)
+            want = to_numpy(b)
+            assert c.dtype == want.dtype and np.array_equal(c, want)
 
 
 def test_whole_batches_keep_a_loaders_own_shuffled_order():

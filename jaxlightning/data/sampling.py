@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
 from torch.utils.data import (
     BatchSampler,
@@ -29,7 +30,7 @@ from torch.utils.data import (
 )
 
 from jaxlightning.data.arrays import ArrayDataset
-from jaxlightning.data.convert import loader_batch_size
+from jaxlightning.data.convert import loader_batch_size, to_numpy
 
 
 class EpochSampler(Sampler[int]):
@@ -184,13 +185,56 @@ def common_num_batches(loader: DataLoader, replicas: int, skip_batches: int = 0)
     return max(count - skip_batches, 0)
 
 
+def indexable(loader: DataLoader) -> bool:
+    """Whether ``loader``'s batches are rows of arrays the Trainer can index
+    itself: a `TensorDataset` (or `ArrayDataset`) with the default collate, read
+    in the main process."""
+    return (
+        type(loader.dataset) in (TensorDataset, ArrayDataset)
+        and loader.collate_fn is default_collate
+        and loader.num_workers == 0
+    )
+
+
+def dataset_arrays(dataset: Any) -> Any:
+    """A `TensorDataset`'s (or `ArrayDataset`'s) arrays as numpy, in the structure
+    its DataLoader's batches have (the DataLoader turns ``dataset[indices]``'s
+    tuple into a list)."""
+    if isinstance(dataset, TensorDataset):
+        return to_numpy(list(dataset.tensors))
+    return to_numpy(dataset.arrays)
+
+
+class IndexedEpoch:
+    """An epoch's batches of rows ``order`` of ``arrays``, cut as a DataLoader's
+    `BatchSampler` cuts them: the batches that DataLoader gives (converted),
+    without its per-batch machinery."""
+
+    def __init__(self, arrays: Any, order: np.ndarray, batch_size: int, drop_last: bool) -> None:
+        self.arrays, self.order = arrays, order
+        self.batch_size, self.drop_last = batch_size, drop_last
+
+    def __len__(self) -> int:
+        n, b = len(self.order), self.batch_size
+        return n // b if self.drop_last else math.ceil(n / b)
+
+    def __iter__(self) -> Iterator[Any]:
+        b = self.batch_size
+        for k in range(len(self)):
+            rows = self.order[k * b : (k + 1) * b]
+            yield jax.tree.map(lambda x, rows=rows: x[rows], self.arrays)
+
+
 class OwnedOrder:
     """A plain DataLoader's epochs in the Trainer's order, one loader for all of them.
 
     The loader is rebuilt once around an `EpochSampler`; each epoch only re-aims
     the sampler (its permutation and resume position), so a DataLoader with
     ``persistent_workers=True`` keeps its worker processes from epoch to epoch.
-    One pass at a time: the caller finishes (or closes) a pass before the next.
+    A loader whose batches are rows of arrays (`indexable`) is not iterated at
+    all: its epochs are indexed from the arrays (`IndexedEpoch`), the same
+    batches for a fifth of the host work. One pass at a time: the caller
+    finishes (or closes) a pass before the next.
 
     Args:
         loader: a DataLoader for which `ownable` holds.
@@ -204,16 +248,23 @@ class OwnedOrder:
         if shuffle is None:
             shuffle = isinstance(loader.sampler, RandomSampler)
         self.batch_size: int = loader.batch_size  # type: ignore[assignment]
+        self.rank, self.drop_last = rank, loader.drop_last
         self.sampler = EpochSampler(
             len(loader.dataset), shuffle=shuffle, seed=seed, rank=rank, replicas=replicas
         )
-        self.loader = whole_batches(_rebuild(loader, self.sampler))
+        self.arrays = dataset_arrays(loader.dataset) if indexable(loader) else None
+        self.loader = (
+            None if self.arrays is not None else whole_batches(_rebuild(loader, self.sampler))
+        )
 
     def epoch(self, epoch: int, skip_batches: int = 0) -> Iterable[Any]:
         """The loader, aimed at ``epoch`` from batch ``skip_batches`` on."""
         self.sampler.epoch = epoch
         self.sampler.start = skip_batches * self.batch_size
-        return self.loader
+        if self.arrays is not None:
+            order = self.sampler.share(self.rank)[self.sampler.start :]
+            return IndexedEpoch(self.arrays, order, self.batch_size, self.drop_last)
+        return self.loader  # type: ignore[return-value]
 
 
 def epoch_loader(
