@@ -13,7 +13,6 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import jax
 import optax
 
 from jaxlightning.optimizers import ALL, Groups, by_group
@@ -31,7 +30,7 @@ def int_arg(name: str, value: Any, *, minimum: int, hint: str = "") -> int:
 
 
 def steps_per_execution(value: Any, strategy: Any) -> int:
-    """``steps_per_execution``, checked against the strategy and process count."""
+    """``steps_per_execution``, checked against the strategy."""
     k = int_arg("steps_per_execution", value, minimum=1)
     if k == 1:
         return k
@@ -40,11 +39,6 @@ def steps_per_execution(value: Any, strategy: Any) -> int:
             f"steps_per_execution={k} needs a strategy whose batches are global arrays "
             f"(shard_map, fsdp, ModelParallelStrategy); the {strategy.name!r} strategy "
             "runs one step per dispatch: pass strategy='auto' or steps_per_execution=1"
-        )
-    if jax.process_count() > 1:
-        raise ValueError(
-            f"steps_per_execution={k} runs in a single process for now (this job has "
-            f"{jax.process_count()}); pass steps_per_execution=1"
         )
     return k
 

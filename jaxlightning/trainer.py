@@ -154,7 +154,7 @@ class Trainer:
             steps the device state is then ahead); a stop requested in a batch
             hook, a signal or a time limit takes effect at the dispatch's end.
             A log interval that is a multiple of it keeps every dispatch whole.
-            Single process, ``shard_map``-based strategies.
+            Not under ``strategy="pmap"``.
         num_nodes: the number of processes of a multi-process job (one per
             node). A process started by ``python -m jaxlightning.launch``, SLURM,
             Open MPI or Kubernetes joins its job automatically; this only checks

@@ -2,7 +2,7 @@
 
     python -m jaxlightning.launch --nprocs 2 --devices-per-proc 4 \\
         tests/run_multihost.py --root DIR --out result.npz [--sleep-per-step S] [--strategy fsdp]
-        [--nnx]
+        [--nnx] [--steps-per-execution K]
 
 Global batch 64 (each process's DataLoader holds its share: 64 / processes),
 one epoch over 200 digits, validation on 45 (not a multiple of 8 devices).
@@ -25,6 +25,7 @@ def main(argv=None) -> None:
     p.add_argument("--sleep-per-step", type=float, default=0.0)
     p.add_argument("--strategy", default="auto")
     p.add_argument("--nnx", action="store_true", help="the same MLP written in Flax NNX")
+    p.add_argument("--steps-per-execution", type=int, default=1)
     args = p.parse_args(argv)
 
     import jax
@@ -47,6 +48,7 @@ def main(argv=None) -> None:
         enable_progress_bar=False,
         callbacks=[Slow()],
         strategy=args.strategy,
+        steps_per_execution=args.steps_per_execution,
     )
     per_process = 64 // jax.process_count()
     x, y = digits(200)

@@ -59,9 +59,13 @@ def two_process_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_process_fsdp_run(tmp_path_factory):
-    """FSDP over 2 processes, of the MLP written in Flax NNX (one run covers both)."""
+    """FSDP over 2 processes, of the MLP written in Flax NNX, two steps per
+    dispatch (one run covers the three)."""
     root = tmp_path_factory.mktemp("two_fsdp")
-    result = launch("--root", root, "--out", root / "result.npz", "--strategy", "fsdp", "--nnx")
+    result = launch(
+        "--root", root, "--out", root / "result.npz", "--strategy", "fsdp", "--nnx",
+        "--steps-per-execution", 2,
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:]
     assert "[rank 1] DONE rank=1 step=4" in result.stdout
     with np.load(root / "result.npz") as f:

@@ -277,12 +277,14 @@ class Program:
             for batch in batches:
                 self.train(batch)
             return
-        if "host" not in self._group_fns:
-            replicated, sharded = self.strategy.batch_placement  # type: ignore[misc]
+        if "host" not in self._group_fns:  # a ShardMapStrategy's (checks.steps_per_execution)
+            sharded = self.strategy.batch_sharding  # type: ignore[attr-defined]
             self._group_fns["host"] = host_steps(self._steps, sharded)
-            self._group_fns["resident"] = resident_batches(replicated, sharded)
         resident = getattr(batches[0], "dataset", None)
         if resident is not None and all(getattr(b, "dataset", None) is resident for b in batches):
+            if "resident" not in self._group_fns:
+                replicated, sharded = self.strategy.batch_placement  # type: ignore[misc]
+                self._group_fns["resident"] = resident_batches(replicated, sharded)
             indices = np.stack([b.indices for b in batches])
             rows = jax.tree.map(lambda *r: np.stack(r), *(b.rows for b in batches))
             data, masks = self._group_fns["resident"](resident.data, indices, rows)

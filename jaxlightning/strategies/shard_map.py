@@ -75,6 +75,11 @@ class ShardMapStrategy(Strategy):
             return None
         return self._replicated, self._sharded
 
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """The sharding of a global batch: rows split over the data axis."""
+        return self._sharded
+
     def replicate(self, tree: Any) -> Any:
         return jax.device_put(tree, self._replicated)
 
