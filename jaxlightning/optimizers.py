@@ -20,7 +20,7 @@ import optax
 
 from jaxlightning.losses import loss_terms, pmean_floats
 from jaxlightning.precision import for_compute
-from jaxlightning.state import TrainState
+from jaxlightning.state import TrainState, optimizer_update
 
 ALL = "*"  # the one group of a single transformation in manual optimization
 
@@ -112,7 +112,8 @@ class Optimizers:
         ``(loss, updates)`` with mutated collections. Only ``params[group]``
         is differentiated and updated; the Trainer's ``gradient_clip_val``
         clips this group's averaged gradient (a clipping transformation in
-        front of the group's optimizer).
+        front of the group's optimizer). The optimizer's update gets the loss
+        as ``value=`` (for ``optax.contrib.reduce_on_plateau`` and the like).
 
         Returns:
             The loss, averaged over the real rows of the global batch.
@@ -147,7 +148,9 @@ class Optimizers:
         grads, total, count, summed = self._reduce((grads, total, count, updates))
         grads = jax.tree.map(lambda g: g / count, grads)
         updates = pmean_floats(summed, updates, jax.lax.axis_size(self._axis))
-        deltas, opt_state = self._txs[group].update(grads, state.opt_state[group], own)
+        deltas, opt_state = optimizer_update(
+            self._txs[group], grads, state.opt_state[group], own, value=total / count
+        )
         new_own = optax.apply_updates(own, deltas)
         model_state = {**state.model_state, **updates}
         self.state = state.replace(

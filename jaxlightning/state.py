@@ -45,18 +45,45 @@ class TrainState:
         tx: optax.GradientTransformation,
         grads: Any,
         model_state: dict[str, Any] | None = None,
+        value: jax.Array | None = None,
     ) -> TrainState:
         """Returns the state after one optimizer update with ``grads``.
 
         ``model_state`` replaces the collections it names (the rest are kept).
+        ``value``, the loss these gradients are of, goes to the transformations
+        that take it (`optimizer_update`).
         """
-        updates, opt_state = tx.update(grads, self.opt_state, self.params)
+        updates, opt_state = optimizer_update(tx, grads, self.opt_state, self.params, value)
         params = optax.apply_updates(self.params, updates)
         merged = dict(self.model_state)
         merged.update(model_state or {})
         return self.replace(
             step=self.step + 1, params=params, opt_state=opt_state, model_state=merged
         )
+
+
+def optimizer_update(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    value: jax.Array | None = None,
+) -> tuple[Any, Any]:
+    """``tx.update`` with ``value=`` (the loss) for transformations that use it
+    (``optax.contrib.reduce_on_plateau``); the others ignore it. Without a
+    value (accumulated gradients), a transformation that needs one is named."""
+    if value is None:
+        try:
+            return tx.update(grads, opt_state, params)
+        except TypeError as exc:
+            if "value" not in str(exc):
+                raise
+            raise TypeError(
+                "the optimizer needs the loss (update(..., value=...)), which the Trainer "
+                "passes for each update of one batch; with accumulate_grad_batches > 1 it "
+                f"does not yet: use accumulate_grad_batches=1. optax said: {exc}"
+            ) from exc
+    return optax.with_extra_args_support(tx).update(grads, opt_state, params, value=value)
 
 
 @flax.struct.dataclass

@@ -361,7 +361,9 @@ def build_train_parts(
             metrics["grad_norm"] = Average(
                 total=norm.astype(jnp.float32), count=jnp.ones((), jnp.int32)
             )
-        new_state = state.apply_gradients(tx, grads, updates)
+        # the loss of the global batch, the same on every device
+        value = metrics["loss"].total / n_real
+        new_state = state.apply_gradients(tx, grads, updates, value=value)
         return new_state, _merge_train(acc, metrics, new_state.step, finite, "loss")
 
     return TrainStepParts(jl_gradients, jl_apply)

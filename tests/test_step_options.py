@@ -195,3 +195,75 @@ def test_ema_is_the_average_of_the_parameter_trajectory_and_validates():
     assert module.variables is ema.ema_variables
     acc = (np_logits(expected, x).argmax(-1) == y).mean()
     assert trainer.callback_metrics["val/acc"] == pytest.approx(acc)  # validated with the EMA
+
+
+class Plateau(LitMLP):
+    """SGD scaled down by optax's plateau rule, which reads the loss (value=)."""
+
+    def __init__(self):
+        super().__init__(init_variables=init_mlp())
+
+    def configure_optimizers(self):
+        return plateau_tx()
+
+
+class ManualPlateau(jl.JaxModule):
+    """The same, optimized manually: `optimizers.step` passes its loss too."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = MLP()
+
+    def setup(self, rng, batch):
+        return init_mlp()
+
+    def configure_optimizers(self):
+        return plateau_tx()
+
+    def training_step(self, optimizers, batch, rngs):
+        x, y = batch
+
+        def loss(params):
+            logits = self.net.apply({"params": params}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+        optimizers.step(loss)
+
+
+def plateau_tx():
+    return optax.chain(
+        optax.sgd(3.0), optax.contrib.reduce_on_plateau(patience=1, factor=0.5, cooldown=0)
+    )
+
+
+@pytest.mark.parametrize("module", [Plateau, ManualPlateau], ids=["automatic", "manual"])
+def test_the_optimizer_gets_the_loss_as_value_like_optax_by_hand(module):
+    """optax's reduce_on_plateau needs update(..., value=loss): the Trainer passes
+    the global batch's mean loss, as a hand-written optax loop does."""
+    trained, trainer = _fit(module(), devices=4)
+    x, y = digits(100)
+    net, tx = MLP(), plateau_tx()
+    params = init_mlp()["params"]
+    state = tx.init(params)
+
+    def mean_loss(p, xb, yb):
+        logits = net.apply({"params": p}, xb)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+
+    for _ in range(2):
+        for i in range(0, 100, 32):
+            xb, yb = x[i : i + 32], y[i : i + 32]
+            value, grads = jax.value_and_grad(mean_loss)(params, xb, yb)
+            updates, state = tx.update(grads, state, params, value=value)
+            params = optax.apply_updates(params, updates)
+    assert float(state[1].scale) < 1.0  # the plateau rule did bite
+    trained_state = trainer.state.opt_state
+    if isinstance(trained_state, dict):  # manual optimization: by group
+        (trained_state,) = trained_state.values()
+    assert float(trained_state[1].scale) == float(state[1].scale)
+    assert max_abs_diff(trained["params"], params) < 1e-5
+
+
+def test_an_optimizer_needing_the_loss_with_accumulation_is_named():
+    with pytest.raises(TypeError, match="needs the loss .*accumulate_grad_batches=1"):
+        _fit(Plateau(), devices=1, accumulate_grad_batches=2)
