@@ -283,9 +283,7 @@ def slow_loader(size: dict[str, int], rounds: int) -> dict[str, Any]:
     }
 
 
-def _startup(
-    framework: str, cache: str | None, samples: int, host: bool = False
-) -> dict[str, Any]:
+def _startup(framework: str, cache: str | None, samples: int, host: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as root:
         cmd = [
             sys.executable,
@@ -354,9 +352,10 @@ def data_path(size: dict[str, int], rounds: int) -> dict[str, Any]:
     """Issue 23's arm: an MNIST-shaped MLP (784 -> 256 -> 256 -> 10, batch 128, Adam,
     shuffled) on one device, a steady epoch side by side: the Trainer over a
     DataLoader of a TensorDataset with its batches resident on the device (the
-    default; one step and eight steps per dispatch) and on the host path; bare jit loops over the DataLoader and over
-    device-resident arrays (the physical reference); Keras 3 on JAX over numpy
-    arrays and PyTorch Lightning, where installed."""
+    default; one step and eight steps per dispatch) and on the host path; bare
+    jit loops over the DataLoader and over device-resident arrays (the physical
+    reference); Keras 3 on JAX over numpy arrays and PyTorch Lightning, where
+    installed."""
     batch, epochs = 128, size["epochs"] + 1
     x, y = common.data(size["short_samples"], 784)
     dl = torch.utils.data.DataLoader(
