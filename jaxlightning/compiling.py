@@ -116,6 +116,14 @@ class Precompiled:
         """Waits for the ahead-of-time compile, if it still runs (errors ignored)."""
         join_quietly(self._task)
 
+    def compiled(self) -> Any:
+        """The ``jax.stages.Compiled`` program, once compiled (waits for it);
+        ``None`` if compiling failed (the first call raises the error)."""
+        try:
+            return self._task.result()
+        except Exception:
+            return None
+
     def __call__(self, *args: Any) -> Any:
         if self._pending is not None:
             self._compiled = self._pending.result()

@@ -23,6 +23,7 @@ import jax
 from jaxlightning import checks, compile_cache, distributed
 from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar, with_defaults
 from jaxlightning.checkpoint import read_meta
+from jaxlightning.cost import StepCost
 from jaxlightning.data import Pipeline
 from jaxlightning.data.arrays import as_eval_loaders, as_loader
 from jaxlightning.data.datamodule import fit_loaders, is_datamodule, stage_loaders
@@ -299,6 +300,7 @@ class Trainer:
     num_eval_batches = _read("_progress", "num_eval_batches", "Batches of this evaluation.")
     sanity_checking = _read("_progress", "sanity_checking", "In the sanity check's validation.")
     steps_ahead = _read("_progress", "steps_ahead", "Steps the state is ahead of this batch.")
+    accumulate_grad_batches = _read("_progress", "accumulate", "Micro-batches per update.")
     callback_metrics = _read("_reporter", "callback_metrics", "Every reported value, by name.")
     logged_metrics = _read("_reporter", "logged_metrics", "The values last sent to loggers.")
     progress_bar_metrics = _read("_reporter", "progress_bar_metrics", "The bar's values.")
@@ -378,6 +380,13 @@ class Trainer:
         (batches,) = self._epoch_batches
         updates = None if batches is None else self._progress.updates_in(batches)
         return self.schedule.estimated_steps(updates)
+
+    def train_step_cost(self) -> StepCost | None:
+        """XLA's count of one compiled train step on one device: FLOPs and bytes
+        (inputs, temporaries, outputs, peak), known before the step first runs
+        (waits for its compile); ``None`` before `fit` or where the strategy
+        compiles at the first call (``pmap``, several processes)."""
+        return self._program.train_cost() if self._program.started else None
 
     def checkpoint_payload(self, module: JaxModule) -> tuple[Any, dict[str, Any]]:
         """What a checkpoint of the run holds now: arrays and a JSON record.

@@ -48,6 +48,37 @@ def test_throughput_monitor_logs_rates_and_compile_time():
     assert trainer.train_samples_seen == 64
 
 
+def test_train_step_cost_is_xlas_count_of_one_device_step(capsys):
+    """FLOPs and bytes of the compiled train step, before it first runs: at
+    least the matrix products of the forward and backward passes on one device's
+    rows, at least the state's bytes, and shown by the model summary."""
+    trainer = jl.Trainer(
+        max_steps=2, devices=2, logger=False, enable_progress_bar=False,
+        enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(LitMLP(hidden=32), loader(*digits(32), 16))  # 8 rows per device
+    cost = trainer.train_step_cost()
+    weights = 64 * 32 + 32 * 32 + 32 * 10
+    params = weights + 32 + 32 + 10
+    forward = 2 * 8 * weights
+    # backward: the weights' gradients, and the inputs' except the first layer's
+    matmuls = forward + forward + (forward - 2 * 8 * 64 * 32)
+    assert matmuls <= cost.flops <= 2 * matmuls + 40 * params, cost
+    assert cost.argument_bytes >= 3 * 4 * params  # params, Adam's two moments
+    assert cost.peak_bytes >= cost.argument_bytes
+    assert f"Train step per device: {cost.describe()}" in capsys.readouterr().out
+
+
+def test_throughput_monitor_logs_flops_and_mfu_from_the_compiled_step():
+    monitor = jl.callbacks.ThroughputMonitor(peak_flops=1e9)
+    trainer = quiet_trainer(max_epochs=1, log_every_n_steps=2, devices=2, callbacks=[monitor])
+    trainer.fit(LitMLP(), loader(*digits(64), 8))
+    m = trainer.callback_metrics
+    step_flops = trainer.train_step_cost().flops * 2  # both devices
+    assert m["throughput/flops_per_sec"] == pytest.approx(step_flops / m["throughput/step_time"])
+    assert m["throughput/mfu"] == pytest.approx(m["throughput/flops_per_sec"] / 2e9)
+
+
 def test_jax_profiler_writes_a_trace_tensorboard_reads(tmp_path):
     trainer = jl.Trainer(
         max_steps=6,

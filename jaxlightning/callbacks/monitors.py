@@ -12,6 +12,7 @@ from clu import parameter_overview
 
 from jaxlightning import distributed
 from jaxlightning.callbacks.base import Callback
+from jaxlightning.cost import peak_flops
 from jaxlightning.nnx_support import is_nnx
 from jaxlightning.schedule import parse_max_time
 
@@ -23,7 +24,9 @@ if TYPE_CHECKING:
 class ModelSummary(Callback):
     """Prints a table of the parameters (name, shape, dtype, size) when `fit`
     starts, on process 0; on by default (``Trainer(enable_model_summary=False)``
-    turns it off). Shapes only: nothing is copied from the devices.
+    turns it off). Shapes only: nothing is copied from the devices. When
+    training starts, once the train step is compiled, it adds what XLA counts
+    of one step on one device (``Train step per device: ... GFLOP, peak ...``).
 
     Args:
         max_lines: the most rows shown (``None``: all).
@@ -45,6 +48,17 @@ class ModelSummary(Callback):
         )
         self.summary += _in_out_sizes(trainer, module) + _data_path(trainer)
         print(self.summary, flush=True)
+
+    def on_train_start(self, trainer: TrainerView, module: JaxModule) -> None:
+        # Here, not at fit start: the compile runs meanwhile (the first step
+        # waits for it anyway), alongside the sanity check's.
+        if not distributed.is_rank_zero():
+            return
+        cost = trainer.train_step_cost()
+        if cost is not None:
+            line = f"Train step per device: {cost.describe()}"
+            self.summary += "\n" + line
+            print(line, flush=True)
 
 
 def _shapes_text(tree: Any) -> str:
@@ -144,9 +158,20 @@ class ThroughputMonitor(Callback):
     (seconds XLA spent compiling since the fit began) once the first interval
     ends. Samples are this process's real (unpadded) rows; wall time includes
     everything the loop does, so the figures are what the run achieves.
+
+    With XLA's count of the compiled train step (`Trainer.train_step_cost`) it
+    also logs ``throughput/flops_per_sec`` (all devices) and, where the peak of
+    a device is known (``peak_flops``, else the table `jaxlightning.cost.PEAK_FLOPS`
+    of dense bfloat16 peaks by device kind), ``throughput/mfu``: achieved over
+    peak FLOP/s — no FLOPs to count by hand.
+
+    Args:
+        peak_flops: one device's peak FLOP/s for the MFU (``None``: from the table).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, peak_flops: float | None = None) -> None:
+        self.peak_flops = peak_flops
+        self._step_flops: float | None = None
         self._compile = 0.0
         self._listening = False
         self._mark: tuple[float, int, int] | None = None
@@ -162,6 +187,12 @@ class ThroughputMonitor(Callback):
             self._listening = True
         self._compile, self._reported_compile = 0.0, False
         self._mark = None
+        self._step_flops = None
+
+    def on_train_start(self, trainer: TrainerView, module: JaxModule) -> None:
+        cost = trainer.train_step_cost()
+        if cost is not None and cost.flops > 0:  # one device's step, times the devices
+            self._step_flops = cost.flops * trainer.num_devices
 
     def on_train_batch_end(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:
         now, step, rows = time.monotonic(), trainer.global_step, trainer.train_samples_seen
@@ -175,6 +206,13 @@ class ThroughputMonitor(Callback):
             "throughput/samples_per_sec": (rows - start_rows) / (now - start),
             "throughput/step_time": (now - start) / (step - start_step),
         }
+        if self._step_flops is not None:
+            flops = self._step_flops * trainer.accumulate_grad_batches
+            achieved = flops * (step - start_step) / (now - start)
+            values["throughput/flops_per_sec"] = achieved
+            peak = self.peak_flops or peak_flops(trainer.strategy.devices[0])
+            if peak:
+                values["throughput/mfu"] = achieved / (peak * trainer.num_devices)
         if not self._reported_compile:
             values["throughput/compile_time"] = self._compile
             self._reported_compile = True

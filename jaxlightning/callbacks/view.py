@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from jaxlightning.cost import StepCost
     from jaxlightning.loggers import Logger
     from jaxlightning.module import JaxModule
     from jaxlightning.state import TrainState
@@ -49,6 +50,8 @@ class TrainerView(Protocol):
         """Train steps the device state is ahead of this batch hook's batch
         (0 unless ``steps_per_execution`` runs several batches per dispatch)."""
 
+    @property
+    def accumulate_grad_batches(self) -> int: ...
     @property
     def num_training_batches(self) -> int | None: ...
     @property
@@ -98,6 +101,11 @@ class TrainerView(Protocol):
     def default_root_dir(self) -> str: ...
     @property
     def datamodule(self) -> Any: ...
+
+    def train_step_cost(self) -> StepCost | None:
+        """XLA's count of one compiled train step on one device (FLOPs, bytes),
+        once compiled: waits for the compile; ``None`` where unknown."""
+        ...
 
     def checkpoint_payload(self, module: JaxModule) -> tuple[Any, dict[str, Any]]:
         """What a checkpoint of the run holds now: arrays and a JSON record."""

@@ -30,6 +30,7 @@ from jaxlightning.compiling import (
     in_background,
     join_quietly,
 )
+from jaxlightning.cost import StepCost, step_cost
 from jaxlightning.data import DeviceBatch
 from jaxlightning.loop.multistep import host_steps, resident_batches
 from jaxlightning.loop.progress import Progress
@@ -266,6 +267,15 @@ class Program:
         """Dispatches one train step (waits for an older one past the bound)."""
         self._state, self._acc = self._train_step(self._state, self._acc, batch.data, batch.mask)
         self.throttle(self._acc)
+
+    def train_cost(self) -> StepCost | None:
+        """XLA's count of one train step on one device (waits for its compile);
+        ``None`` where the strategy compiles at the first call instead."""
+        step = self._train_step
+        if isinstance(step, Precompiled):
+            compiled = step.compiled()
+            return None if compiled is None else step_cost(compiled)
+        return None
 
     def train_group(self, batches: list[Any]) -> None:
         """Dispatches the train steps of ``batches`` as one program (`multistep`):
