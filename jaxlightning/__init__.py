@@ -31,5 +31,6 @@ from jaxlightning.strategies import ShardMapStrategy as ShardMapStrategy
 from jaxlightning.strategies import Strategy as Strategy
 from jaxlightning.trainer import NonFiniteLossError as NonFiniteLossError
 from jaxlightning.trainer import Trainer as Trainer
+from jaxlightning.tuner import Tuner as Tuner
 
 __version__ = "0.1.0"

@@ -40,7 +40,9 @@ class StepCost:
         argument_bytes: its inputs (train state, accumulators, batch shard).
         output_bytes: its outputs (what is donated back is counted in both).
         temp_bytes: temporaries (activations kept for the backward pass...).
-        peak_bytes: the most memory the step holds at once, by XLA's count.
+        peak_bytes: the most memory the step holds at once: XLA's peak, or
+            inputs + outputs that are not donated inputs + temporaries where
+            that is more (the CPU backend's peak leaves temporaries out).
     """
 
     flops: float
@@ -78,9 +80,11 @@ def step_cost(compiled: Any) -> StepCost | None:
     outputs = int(memory.output_size_in_bytes)
     temps = int(memory.temp_size_in_bytes)
     aliased = int(getattr(memory, "alias_size_in_bytes", 0))
-    peak = getattr(memory, "peak_memory_in_bytes", None)
-    if not peak:
-        peak = arguments + outputs - aliased + temps
+    # What the executable holds: its inputs, its outputs that are not donated
+    # inputs, and its temporaries' arena (already sized for their lifetimes).
+    # The CPU backend's own peak leaves the temporaries out.
+    reserved = arguments + outputs - aliased + temps
+    peak = max(int(getattr(memory, "peak_memory_in_bytes", 0) or 0), reserved)
     return StepCost(
         flops=float(costs.get("flops", 0.0)),
         argument_bytes=arguments,

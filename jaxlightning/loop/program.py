@@ -19,6 +19,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -32,6 +33,7 @@ from jaxlightning.compiling import (
 )
 from jaxlightning.cost import StepCost, step_cost
 from jaxlightning.data import DeviceBatch
+from jaxlightning.data.convert import Rows
 from jaxlightning.loop.multistep import host_steps, resident_batches
 from jaxlightning.loop.progress import Progress
 from jaxlightning.module import JaxModule
@@ -276,6 +278,29 @@ class Program:
             compiled = step.compiled()
             return None if compiled is None else step_cost(compiled)
         return None
+
+    def cost_at(
+        self, module: JaxModule, tx: optax.GradientTransformation, example: DeviceBatch, rows: int
+    ) -> StepCost | None:
+        """XLA's count of ``module``'s train step for a global batch of ``rows``
+        rows (a multiple of the shards), like ``example``'s otherwise: compiled
+        from shapes alone, never run, the state untouched."""
+        init, args = self._init_program(module, tx, example)
+        state = init.trace(*args).out_info
+        per_shard = rows // self.strategy.num_local_shards
+
+        data = shard_shapes(example.host.data, rows)  # the global batch's shapes
+        mask = Rows(jax.ShapeDtypeStruct((rows,), bool), jax.ShapeDtypeStruct((rows,), jnp.int32))
+        acc0, _ = zero_train_metrics(
+            module, state, shard_shapes(example.host.data, per_shard), tx, self.options
+        )
+        if is_manual(module):
+            step = self.strategy.compile_manual(build_train_step(module, tx, self.options))
+        else:
+            parts = build_train_parts(module, tx, self.options, self.strategy.reduce_grads())
+            step = self.strategy.compile_train(parts)
+        acc0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), acc0)
+        return step_cost(step.trace(state, acc0, data, mask).lower().compile())
 
     def train_group(self, batches: list[Any]) -> None:
         """Dispatches the train steps of ``batches`` as one program (`multistep`):

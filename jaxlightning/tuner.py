@@ -1,0 +1,147 @@
+"""`Tuner`: the largest batch that fits, found from compiled programs alone.
+
+Lightning's batch-size finder runs steps at growing sizes until CUDA runs out
+of memory. Here each candidate's train step is only compiled, and XLA's
+memory analysis of it (`jaxlightning.cost`) says whether it fits: nothing runs,
+nothing runs out of memory, and the trainer's state is left as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jaxlightning import checks
+from jaxlightning.data.arrays import as_loader
+from jaxlightning.data.datamodule import fit_loaders, is_datamodule
+from jaxlightning.module import JaxModule
+
+
+class Tuner:
+    """Tunes a `Trainer`'s run before it fits (Lightning's ``Tuner``).
+
+    Args:
+        trainer: the Trainer whose devices, strategy and options the candidate
+            steps are compiled for.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def scale_batch_size(
+        self,
+        model: JaxModule,
+        train_dataloaders: Any = None,
+        datamodule: Any = None,
+        *,
+        mode: str = "power",
+        init_val: int = 2,
+        max_trials: int = 25,
+        max_bytes: int | None = None,
+        batch_arg_name: str = "batch_size",
+    ) -> int:
+        """The largest global batch size whose compiled train step fits in each
+        device's memory, set on the model (or datamodule) as ``batch_arg_name``
+        where it has one (an attribute or a hyperparameter), and returned.
+
+        Starting at ``init_val`` the size doubles while the step fits (at most
+        ``max_trials`` compiles); ``mode="binsearch"`` then bisects between the
+        last size that fit and the first that did not. Sizes are global, in
+        multiples of the devices the batch is split over.
+
+        Args:
+            model: the module, as for `Trainer.fit`.
+            train_dataloaders: a training loader (its first batch gives the
+                shapes of a row), or None to use the datamodule's or the module's.
+            datamodule: a `DataModule` giving the training loader.
+            mode: ``"power"`` or ``"binsearch"``.
+            init_val: the first size tried.
+            max_trials: the most compiles.
+            max_bytes: one device's memory for the step (default: the smallest
+                device's limit; required where devices report none, as on CPU).
+            batch_arg_name: the attribute or hyperparameter to set.
+        """
+        if mode not in ("power", "binsearch"):
+            raise ValueError(f'mode must be "power" or "binsearch", got {mode!r}')
+        checks.int_arg("init_val", init_val, minimum=1)
+        checks.int_arg("max_trials", max_trials, minimum=1)
+        trainer = self.trainer
+        budget = max_bytes if max_bytes is not None else _device_limit(trainer.strategy.devices)
+        if datamodule is None and is_datamodule(train_dataloaders):
+            datamodule, train_dataloaders = train_dataloaders, None
+        program = trainer._program
+        with trainer._stage("fit", model, datamodule):  # the datamodule set up, as fit does
+            train, _ = fit_loaders(train_dataloaders, None, datamodule, model)
+            example = trainer._pipeline.example_batch(as_loader(train, shuffle=True))
+        manual = checks.fit_module(model, program.options)
+        tx = checks.fit_optimizer(model, manual, program.options, trainer.callbacks)
+        shards = trainer.strategy.num_local_shards
+
+        def fits(size: int) -> bool:
+            rows = -(-size // shards) * shards  # padded as the host path pads
+            cost = program.cost_at(model, tx, example, rows)
+            if cost is None:
+                raise RuntimeError(
+                    "this backend does not analyse compiled programs' memory: the batch "
+                    "size cannot be found without running out of memory"
+                )
+            return cost.peak_bytes <= budget
+
+        size, trials = init_val, 1
+        if not fits(size):
+            raise ValueError(
+                f"even a batch of init_val={init_val} does not fit {budget / 2**20:.4g} MiB per "
+                "device; lower init_val, or fit a smaller model (or shard it: strategy='fsdp')"
+            )
+        low, high = size, None  # the largest size that fits, the smallest that does not
+        while trials < max_trials:
+            trials += 1
+            if fits(size * 2):
+                size *= 2
+                low = size
+            else:
+                high = size * 2
+                break
+        if mode == "binsearch" and high is not None:
+            while high - low > shards and trials < max_trials:
+                trials += 1
+                middle = (low + high) // 2 // shards * shards
+                if middle <= low:
+                    break
+                if fits(middle):
+                    low = middle
+                else:
+                    high = middle
+        _set_batch_size(model, datamodule, batch_arg_name, low)
+        return low
+
+
+def _device_limit(devices: list[jax.Device]) -> int:
+    limits = []
+    for d in devices:
+        stats = d.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise ValueError(
+                f"{d.platform} devices report no memory limit: pass "
+                "scale_batch_size(..., max_bytes=...) with one device's memory for the step"
+            )
+        limits.append(int(stats["bytes_limit"]))
+    return min(limits)
+
+
+def _set_batch_size(model: Any, datamodule: Any, name: str, value: int) -> None:
+    """Sets ``name`` where Lightning looks for it: the model's attribute or
+    hyperparameter, then the datamodule's."""
+    for owner in (model, datamodule):
+        if owner is None:
+            continue
+        hparams = getattr(owner, "hparams", None)
+        if hparams is not None and name in hparams:
+            hparams[name] = value
+            if hasattr(owner, name):
+                setattr(owner, name, value)
+            return
+        if hasattr(owner, name):
+            setattr(owner, name, value)
+            return
