@@ -83,8 +83,9 @@ class Tuner:
             cost = program.cost_at(model, tx, example, rows)
             if cost is None:
                 raise RuntimeError(
-                    "this backend does not analyse compiled programs' memory: the batch "
-                    "size cannot be found without running out of memory"
+                    f"no memory analysis of the train step under the {trainer.strategy.name!r} "
+                    "strategy on this backend, so the batch size cannot be found without "
+                    "running out of memory; tune with strategy='auto'"
                 )
             return cost.peak_bytes <= budget
 

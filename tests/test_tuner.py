@@ -47,3 +47,6 @@ def test_what_cannot_be_tuned_is_named():
         jl.Tuner(trainer).scale_batch_size(LitMLP(), train, max_bytes=1000)
     with pytest.raises(ValueError, match='mode must be "power" or "binsearch"'):
         jl.Tuner(trainer).scale_batch_size(LitMLP(), train, mode="linear", max_bytes=10**9)
+    pmap = quiet_trainer(devices=2, strategy="pmap")
+    with pytest.raises(RuntimeError, match="no memory analysis .* 'pmap' strategy"):
+        jl.Tuner(pmap).scale_batch_size(LitMLP(), train, max_bytes=10**9)

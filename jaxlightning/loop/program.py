@@ -299,6 +299,8 @@ class Program:
         else:
             parts = build_train_parts(module, tx, self.options, self.strategy.reduce_grads())
             step = self.strategy.compile_train(parts)
+        if not hasattr(step, "trace"):  # pmap: compiled at its first call only
+            return None
         acc0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), acc0)
         return step_cost(step.trace(state, acc0, data, mask).lower().compile())
 
