@@ -71,51 +71,71 @@ class Tuner:
         if datamodule is None and is_datamodule(train_dataloaders):
             datamodule, train_dataloaders = train_dataloaders, None
         program = trainer._program
-        with trainer._stage("fit", model, datamodule):  # the datamodule set up, as fit does
+        # As fit does: the datamodule set up, the module's trainer set, the
+        # epoch's batches known (configure_optimizers may size schedules by them).
+        with trainer._stage("fit", model, datamodule):
             train, _ = fit_loaders(train_dataloaders, None, datamodule, model)
-            example = trainer._pipeline.example_batch(as_loader(train, shuffle=True))
-        manual = checks.fit_module(model, program.options)
-        tx = checks.fit_optimizer(model, manual, program.options, trainer.callbacks)
-        shards = trainer.strategy.num_local_shards
-
-        def fits(size: int) -> bool:
-            rows = -(-size // shards) * shards  # padded as the host path pads
-            cost = program.cost_at(model, tx, example, rows)
-            if cost is None:
-                raise RuntimeError(
-                    f"no memory analysis of the train step under the {trainer.strategy.name!r} "
-                    "strategy on this backend, so the batch size cannot be found without "
-                    "running out of memory; tune with strategy='auto'"
-                )
-            return cost.peak_bytes <= budget
-
-        size, trials = init_val, 1
-        if not fits(size):
-            raise ValueError(
-                f"even a batch of init_val={init_val} does not fit {budget / 2**20:.4g} MiB per "
-                "device; lower init_val, or fit a smaller model (or shard it: strategy='fsdp')"
+            train = as_loader(train, shuffle=True)
+            trainer._epoch_batches = (trainer._pipeline.train_batches_per_epoch(train),)
+            example = trainer._pipeline.example_batch(train)
+            manual = checks.fit_module(model, program.options)
+            tx = checks.fit_optimizer(model, manual, program.options, trainer.callbacks)
+            low = _search(
+                lambda rows: program.cost_at(model, tx, example, rows),
+                trainer.strategy,
+                budget,
+                mode=mode,
+                init_val=init_val,
+                max_trials=max_trials,
             )
-        low, high = size, None  # the largest size that fits, the smallest that does not
-        while trials < max_trials:
-            trials += 1
-            if fits(size * 2):
-                size *= 2
-                low = size
-            else:
-                high = size * 2
-                break
-        if mode == "binsearch" and high is not None:
-            while high - low > shards and trials < max_trials:
-                trials += 1
-                middle = (low + high) // 2 // shards * shards
-                if middle <= low:
-                    break
-                if fits(middle):
-                    low = middle
-                else:
-                    high = middle
         _set_batch_size(model, datamodule, batch_arg_name, low)
         return low
+
+
+def _search(
+    cost_at: Any, strategy: Any, budget: int, *, mode: str, init_val: int, max_trials: int
+) -> int:
+    """The largest size whose step fits ``budget`` (doubling, then bisecting
+    for ``"binsearch"``), in at most ``max_trials`` compiles."""
+    shards = strategy.num_local_shards
+
+    def fits(size: int) -> bool:
+        rows = -(-size // shards) * shards  # padded as the host path pads
+        cost = cost_at(rows)
+        if cost is None:
+            raise RuntimeError(
+                f"no memory analysis of the train step under the {strategy.name!r} "
+                "strategy on this backend, so the batch size cannot be found without "
+                "running out of memory; tune with strategy='auto'"
+            )
+        return cost.peak_bytes <= budget
+
+    size, trials = init_val, 1
+    if not fits(size):
+        raise ValueError(
+            f"even a batch of init_val={init_val} does not fit {budget / 2**20:.4g} MiB per "
+            "device; lower init_val, or fit a smaller model (or shard it: strategy='fsdp')"
+        )
+    low, high = size, None  # the largest size that fits, the smallest that does not
+    while trials < max_trials:
+        trials += 1
+        if fits(size * 2):
+            size *= 2
+            low = size
+        else:
+            high = size * 2
+            break
+    if mode == "binsearch" and high is not None:
+        while high - low > shards and trials < max_trials:
+            trials += 1
+            middle = (low + high) // 2 // shards * shards
+            if middle <= low:
+                break
+            if fits(middle):
+                low = middle
+            else:
+                high = middle
+    return low
 
 
 def _device_limit(devices: list[jax.Device]) -> int:

@@ -5,7 +5,7 @@ import pytest
 
 import jaxlightning as jl
 from jaxlightning import checks
-from tests.helpers import LitMLP, digits, loader, quiet_trainer
+from tests.helpers import LitMLP, digits, load_example, loader, quiet_trainer
 
 
 def _peak(trainer, module, train, rows):
@@ -50,3 +50,15 @@ def test_what_cannot_be_tuned_is_named():
     pmap = quiet_trainer(devices=2, strategy="pmap")
     with pytest.raises(RuntimeError, match="no memory analysis .* 'pmap' strategy"):
         jl.Tuner(pmap).scale_batch_size(LitMLP(), train, max_bytes=10**9)
+
+
+def test_a_datamodule_gets_the_size_and_configure_optimizers_sees_the_trainer():
+    """The GPT example under FSDP: its configure_optimizers sizes a schedule by
+    trainer.estimated_stepping_batches, its DataModule holds batch_size."""
+    gpt = load_example("gpt")
+    trainer = quiet_trainer(strategy="fsdp", max_steps=10)
+    datamodule = gpt.MarkovTokens(batch_size=8)
+    found = jl.Tuner(trainer).scale_batch_size(
+        gpt.LitGPT(), datamodule=datamodule, init_val=8, max_trials=3, max_bytes=2**40
+    )
+    assert found == 32 == datamodule.batch_size  # 8, 16, 32: the trials ran out
