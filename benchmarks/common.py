@@ -123,13 +123,10 @@ def trainer_epochs(
     return times.times, jax.device_get(trainer.state.params)
 
 
-def bare_jit_epochs(dl: DataLoader, epochs: int) -> tuple[list[float], Any]:
-    """The hand-written baseline: one jitted step over the same DataLoader."""
-    net, tx = MLP(), optax.adam(LR)
-    params = init_params(dl.dataset.tensors[0].shape[1])
-    opt_state = tx.init(params)
+def _adam_step(tx: Any) -> Any:
+    """The bare loops' update: ``(params, opt_state, x, y) -> (params, opt_state)``."""
+    net = MLP()
 
-    @jax.jit
     def step(params, opt_state, x, y):
         def loss_fn(p):
             logits = net.apply(p, x)
@@ -138,6 +135,16 @@ def bare_jit_epochs(dl: DataLoader, epochs: int) -> tuple[list[float], Any]:
         grads = jax.grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def bare_jit_epochs(dl: DataLoader, epochs: int) -> tuple[list[float], Any]:
+    """The hand-written baseline: one jitted step over the same DataLoader."""
+    tx = optax.adam(LR)
+    params = init_params(dl.dataset.tensors[0].shape[1])
+    opt_state = tx.init(params)
+    step = jax.jit(_adam_step(tx))
 
     times = []
     for _ in range(epochs):
@@ -253,22 +260,15 @@ def interleave(rounds: int, arms: dict[str, Callable[[], Any]]) -> dict[str, lis
 def bare_resident_epochs(x: np.ndarray, y: np.ndarray, batch: int, epochs: int) -> list[float]:
     """The physical reference: the data on the device, each step one jitted call
     that gathers its rows there (a permutation per epoch, drawn on the host)."""
-    net, tx = MLP(), optax.adam(LR)
+    tx = optax.adam(LR)
     params = init_params(x.shape[1])
     opt_state = tx.init(params)
     dx, dy = jax.device_put((x, y))
+    update = _adam_step(tx)
 
     @jax.jit
     def step(params, opt_state, idx):
-        xb, yb = dx[idx], dy[idx]
-
-        def loss_fn(p):
-            logits = net.apply(p, xb)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
-
-        grads = jax.grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return update(params, opt_state, dx[idx], dy[idx])
 
     times = []
     rng = np.random.default_rng(0)

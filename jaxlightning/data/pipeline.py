@@ -320,24 +320,19 @@ class Pipeline:
         host work to overlap). The caller closes the result.
         """
         if resident is not None:
-            batches = Batches(Prefetcher(loader, lambda idx: resident.device_batch(idx, epoch), 0))
-            if batches.first is None and not allow_empty:
-                batches.close()
-                raise ValueError(
-                    f"{name} yielded no batches; check the dataset's length and the "
-                    "DataLoader's drop_last setting"
-                )
-            return batches
-        padder = Padder(self.strategy.num_local_shards, loader_batch_size(loader))
-        put = self.strategy.put_batch
+            prefetcher = Prefetcher(loader, lambda idx: resident.device_batch(idx, epoch), 0)
+        else:
+            padder = Padder(self.strategy.num_local_shards, loader_batch_size(loader))
+            put = self.strategy.put_batch
 
-        def prepare(raw: Any) -> DeviceBatch:
-            host = padder.empty() if raw is _PAD_BATCH else padder(raw)
-            data, rows = put((host.data, Rows.of(host.mask, epoch)))
-            return DeviceBatch(host, data, rows)
+            def prepare(raw: Any) -> DeviceBatch:
+                host = padder.empty() if raw is _PAD_BATCH else padder(raw)
+                data, rows = put((host.data, Rows.of(host.mask, epoch)))
+                return DeviceBatch(host, data, rows)
 
-        source = loader if total is None else _exactly(loader, total)
-        batches = Batches(Prefetcher(source, prepare, depth=self.strategy.prefetch_depth))
+            source = loader if total is None else _exactly(loader, total)
+            prefetcher = Prefetcher(source, prepare, depth=self.strategy.prefetch_depth)
+        batches = Batches(prefetcher)
         if batches.first is None and not allow_empty:
             batches.close()
             raise ValueError(

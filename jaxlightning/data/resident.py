@@ -19,23 +19,21 @@ and a dataset whose copies fit a share of device memory.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from torch.utils.data import (
-    DataLoader,
-    RandomSampler,
-    SequentialSampler,
-    TensorDataset,
-    default_collate,
-)
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
-from jaxlightning.data.arrays import ArrayDataset
-from jaxlightning.data.convert import Rows, to_numpy
-from jaxlightning.data.sampling import EpochSampler, ownable
+from jaxlightning.data.convert import Rows
+from jaxlightning.data.sampling import (
+    EpochBatches,
+    EpochSampler,
+    dataset_arrays,
+    ownable,
+    rows_of_arrays,
+)
 
 # On a CPU backend every "device" is host memory: a budget, not a share of it.
 _CPU_BUDGET_BYTES = 2 << 30
@@ -46,9 +44,7 @@ def residable(loader: Any, *, shuffle_allowed: bool) -> bool:
     """Whether ``loader``'s batches can be gathered on the devices exactly: a
     plain DataLoader over a `TensorDataset` with the default collate (and, where
     the host path would draw a torch-random order, ``shuffle_allowed``)."""
-    if not ownable(loader) or type(loader.dataset) not in (TensorDataset, ArrayDataset):
-        return False
-    if loader.collate_fn is not default_collate:
+    if not ownable(loader) or not rows_of_arrays(loader):
         return False
     return shuffle_allowed or isinstance(loader.sampler, SequentialSampler)
 
@@ -64,17 +60,6 @@ def device_budget(devices: list[jax.Device]) -> int:
             return 0  # unknown: stay on the host
         limits.append(stats["bytes_limit"])
     return int(min(limits) * _ACCELERATOR_SHARE)
-
-
-def _source(dataset: Any) -> Any:
-    """A residable dataset's arrays, in the structure its batches have."""
-    if isinstance(dataset, TensorDataset):
-        return list(dataset.tensors)
-    return dataset.arrays
-
-
-def to_numpy_nbytes(x: Any) -> int:
-    return int(x.element_size() * x.nelement()) if hasattr(x, "element_size") else int(x.nbytes)
 
 
 def _gather(data: Any, idx: jax.Array, rows: Rows) -> tuple[Any, Rows]:
@@ -112,9 +97,8 @@ class ResidentDataset:
         self.batch_size: int = loader.batch_size  # type: ignore[assignment]
         self.drop_last = loader.drop_last
         self.size = math.ceil(self.batch_size / multiple) * multiple
-        # The host path's conversion, once, of what its batches are made from
-        # (the DataLoader turns `dataset[indices]`'s tuple into a list).
-        self.host = to_numpy(_source(loader.dataset))
+        # The host path's conversion, once, of what its batches are made from.
+        self.host = dataset_arrays(loader.dataset)
         self.sampler = EpochSampler(len(loader.dataset), shuffle=shuffle, seed=seed)
         self.data = jax.device_put(self.host, replicated)
         self._gather = jax.jit(
@@ -125,13 +109,15 @@ class ResidentDataset:
     @staticmethod
     def nbytes(loader: DataLoader) -> int:
         """Bytes one device's copy of ``loader``'s dataset takes."""
-        return sum(to_numpy_nbytes(x) for x in jax.tree.leaves(_source(loader.dataset)))
+        # numpy views of the tensors: nothing is copied to count them
+        return sum(x.nbytes for x in jax.tree.leaves(dataset_arrays(loader.dataset)))
 
-    def epoch(self, epoch: int, skip_batches: int = 0) -> ResidentEpoch:
-        """Epoch ``epoch``'s batches from batch ``skip_batches`` on."""
+    def epoch(self, epoch: int, skip_batches: int = 0) -> EpochBatches:
+        """The row indices of epoch ``epoch``'s batches from batch ``skip_batches``
+        on (`device_batch` makes each batch)."""
         self.sampler.epoch = epoch
         order = self.sampler.share(0)[skip_batches * self.batch_size :]
-        return ResidentEpoch(self, order)
+        return EpochBatches(order, self.batch_size, self.drop_last)
 
     def device_batch(self, indices: np.ndarray, epoch: int) -> ResidentBatch:
         """The batch of dataset rows ``indices``, padded (its rows are gathered
@@ -143,8 +129,9 @@ class ResidentDataset:
             idx = np.concatenate([indices, np.full(self.size - real, indices[-1])])
             mask = np.zeros(self.size, bool)
             mask[:real] = True
-        host = ResidentHostBatch(self, indices, mask, real)
-        return ResidentBatch(self, idx.astype(np.int32), Rows.of(mask, epoch), host)
+        idx = idx.astype(np.int32)
+        host = ResidentHostBatch(self, idx, mask, real)
+        return ResidentBatch(self, idx, Rows.of(mask, epoch), host)
 
 
 class ResidentBatch:
@@ -180,33 +167,11 @@ class ResidentHostBatch:
     asked for, for shapes) computed when asked for."""
 
     def __init__(
-        self, dataset: ResidentDataset, indices: np.ndarray, mask: np.ndarray, real: int
+        self, dataset: ResidentDataset, padded: np.ndarray, mask: np.ndarray, real: int
     ) -> None:
-        self._dataset, self._indices = dataset, indices
+        self._dataset, self._padded = dataset, padded
         self.mask, self.real = mask, real
 
     @property
     def data(self) -> Any:
-        pad = np.full(len(self.mask) - len(self._indices), self._indices[-1])
-        idx = np.concatenate([self._indices, pad])
-        return jax.tree.map(lambda x: np.take(x, idx, axis=0), self._dataset.host)
-
-
-class ResidentEpoch:
-    """One epoch of a `ResidentDataset` as the host path's `BatchSampler` cuts
-    it: iterating gives each batch's dataset indices (`ResidentDataset.device_batch`
-    makes the batch)."""
-
-    def __init__(self, dataset: ResidentDataset, order: np.ndarray) -> None:
-        self.dataset = dataset
-        self.order = order
-        self.batch_size = dataset.batch_size
-
-    def __len__(self) -> int:
-        n, b = len(self.order), self.batch_size
-        return n // b if self.dataset.drop_last else math.ceil(n / b)
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        b = self.batch_size
-        for k in range(len(self)):
-            yield self.order[k * b : (k + 1) * b]
+        return jax.tree.map(lambda x: np.take(x, self._padded, axis=0), self._dataset.host)

@@ -157,12 +157,7 @@ def whole_batches(loader: Any) -> Any:
     fetching costs ~5 ms per 1024-row batch, which on a CPU backend is taken
     from the cores the step runs on. Any other loader is returned as it is.
     """
-    if (
-        type(loader) is DataLoader
-        and type(loader.dataset) in (TensorDataset, ArrayDataset)
-        and loader.batch_sampler is not None
-        and loader.collate_fn is default_collate
-    ):
+    if rows_of_arrays(loader) and loader.batch_sampler is not None:
         # batch_size=None hands each list of indices to dataset[...] whole.
         return DataLoader(
             loader.dataset, batch_size=None, sampler=loader.batch_sampler, **_loader_kwargs(loader)
@@ -185,15 +180,20 @@ def common_num_batches(loader: DataLoader, replicas: int, skip_batches: int = 0)
     return max(count - skip_batches, 0)
 
 
-def indexable(loader: DataLoader) -> bool:
-    """Whether ``loader``'s batches are rows of arrays the Trainer can index
-    itself: a `TensorDataset` (or `ArrayDataset`) with the default collate, read
-    in the main process."""
+def rows_of_arrays(loader: Any) -> bool:
+    """Whether ``loader``'s batches are rows of arrays taken whole: a
+    `TensorDataset` (or `ArrayDataset`) with the default collate."""
     return (
-        type(loader.dataset) in (TensorDataset, ArrayDataset)
+        type(loader) is DataLoader
+        and type(loader.dataset) in (TensorDataset, ArrayDataset)
         and loader.collate_fn is default_collate
-        and loader.num_workers == 0
     )
+
+
+def indexable(loader: DataLoader) -> bool:
+    """Whether the Trainer can index ``loader``'s rows itself: `rows_of_arrays`,
+    read in the main process."""
+    return rows_of_arrays(loader) and loader.num_workers == 0
 
 
 def dataset_arrays(dataset: Any) -> Any:
@@ -205,23 +205,35 @@ def dataset_arrays(dataset: Any) -> Any:
     return to_numpy(dataset.arrays)
 
 
-class IndexedEpoch:
-    """An epoch's batches of rows ``order`` of ``arrays``, cut as a DataLoader's
-    `BatchSampler` cuts them: the batches that DataLoader gives (converted),
-    without its per-batch machinery."""
+class EpochBatches:
+    """The row indices of an epoch's batches: ``order`` cut as a DataLoader's
+    `BatchSampler` cuts it (``drop_last`` included)."""
 
-    def __init__(self, arrays: Any, order: np.ndarray, batch_size: int, drop_last: bool) -> None:
-        self.arrays, self.order = arrays, order
-        self.batch_size, self.drop_last = batch_size, drop_last
+    def __init__(self, order: np.ndarray, batch_size: int, drop_last: bool) -> None:
+        self.order, self.batch_size, self.drop_last = order, batch_size, drop_last
 
     def __len__(self) -> int:
         n, b = len(self.order), self.batch_size
         return n // b if self.drop_last else math.ceil(n / b)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[np.ndarray]:
         b = self.batch_size
         for k in range(len(self)):
-            rows = self.order[k * b : (k + 1) * b]
+            yield self.order[k * b : (k + 1) * b]
+
+
+class IndexedEpoch:
+    """An epoch's batches of ``arrays``' rows, by `EpochBatches`: the batches a
+    DataLoader over them gives (converted), without its per-batch machinery."""
+
+    def __init__(self, arrays: Any, batches: EpochBatches) -> None:
+        self.arrays, self.batches = arrays, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        for rows in self.batches:
             yield jax.tree.map(lambda x, rows=rows: x[rows], self.arrays)
 
 
@@ -263,7 +275,7 @@ class OwnedOrder:
         self.sampler.start = skip_batches * self.batch_size
         if self.arrays is not None:
             order = self.sampler.share(self.rank)[self.sampler.start :]
-            return IndexedEpoch(self.arrays, order, self.batch_size, self.drop_last)
+            return IndexedEpoch(self.arrays, EpochBatches(order, self.batch_size, self.drop_last))
         return self.loader  # type: ignore[return-value]
 
 

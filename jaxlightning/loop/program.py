@@ -168,11 +168,7 @@ class Program:
         acc0, self.train_options = zero_train_metrics(
             module, shapes, shard_shapes(example.host.data, rows), tx, self.options
         )
-        if is_manual(module):
-            train_step = self.strategy.compile_manual(build_train_step(module, tx, self.options))
-        else:
-            parts = build_train_parts(module, tx, self.options, self.strategy.reduce_grads())
-            train_step = self.strategy.compile_train(parts)
+        train_step = self._compile_train(module, tx)
         self._steps, self._group_fns = train_step, {}
         train_step = self.strategy.precompile(train_step, shapes, acc0, example.data, example.mask)
         if isinstance(train_step, Precompiled):
@@ -192,6 +188,13 @@ class Program:
         self._acc0 = self.strategy.replicate(acc0)
         self._eval_fns.clear()
         self.fit_module = module
+
+    def _compile_train(self, module: JaxModule, tx: optax.GradientTransformation) -> Any:
+        """``module``'s train step, compiled by the strategy (not yet for any shapes)."""
+        if is_manual(module):
+            return self.strategy.compile_manual(build_train_step(module, tx, self.options))
+        parts = build_train_parts(module, tx, self.options, self.strategy.reduce_grads())
+        return self.strategy.compile_train(parts)
 
     def _start_init_state(
         self, module: JaxModule, tx: optax.GradientTransformation, first: DeviceBatch
@@ -294,11 +297,7 @@ class Program:
         acc0, _ = zero_train_metrics(
             module, state, shard_shapes(example.host.data, per_shard), tx, self.options
         )
-        if is_manual(module):
-            step = self.strategy.compile_manual(build_train_step(module, tx, self.options))
-        else:
-            parts = build_train_parts(module, tx, self.options, self.strategy.reduce_grads())
-            step = self.strategy.compile_train(parts)
+        step = self._compile_train(module, tx)
         if not hasattr(step, "trace"):  # pmap: compiled at its first call only
             return None
         acc0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), acc0)
