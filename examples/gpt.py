@@ -2,6 +2,7 @@
 
     python examples/gpt.py [fit] [--trainer.max_steps 300] [--trainer.strategy fsdp]
         [--trainer.precision bf16-mixed] [--trainer.accumulate_grad_batches 2]
+        [--model.remat true]                # recompute each block in the backward pass
     python examples/gpt.py --trainer.strategy jaxlightning.ModelParallelStrategy \
         --trainer.strategy.model 2          # tensor parallel: data 4 x model 2
 
@@ -87,14 +88,18 @@ class GPT(nn.Module):
     layers: int = 2
     context: int = 32
     dropout: float = 0.1
+    remat: bool = False
 
     @nn.compact
     def __call__(self, tokens, train: bool = False):
         t = tokens.shape[1]
         x = nn.Embed(self.vocab, self.d_model)(tokens)
         x = x + self.param("pos", nn.initializers.normal(0.02), (self.context, self.d_model))[:t]
-        for _ in range(self.layers):
-            x = Block(self.d_model, self.heads, self.dropout)(x, train)
+        # With remat each block keeps only its input for the backward pass and
+        # runs its forward again there: activations of one block at a time.
+        block = nn.remat(Block, static_argnums=(2,)) if self.remat else Block
+        for i in range(self.layers):
+            x = block(self.d_model, self.heads, self.dropout, name=f"Block_{i}")(x, train)
         return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
@@ -110,10 +115,11 @@ class LitGPT(jl.JaxModule):
         dropout: float = 0.1,
         lr: float = 3e-3,
         warmup: float = 0.1,
+        remat: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
-        self.net = GPT(VOCAB, d_model, heads, layers, context, dropout)
+        self.net = GPT(VOCAB, d_model, heads, layers, context, dropout, remat)
 
     def setup(self, rng, batch):
         return self.net.init(rng, batch[:, :-1])

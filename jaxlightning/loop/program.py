@@ -193,7 +193,13 @@ class Program:
         """``module``'s train step, compiled by the strategy (not yet for any shapes)."""
         if is_manual(module):
             return self.strategy.compile_manual(build_train_step(module, tx, self.options))
-        parts = build_train_parts(module, tx, self.options, self.strategy.reduce_grads())
+        parts = build_train_parts(
+            module,
+            tx,
+            self.options,
+            self.strategy.reduce_grads(),
+            self.strategy.gather_params(),
+        )
         return self.strategy.compile_train(parts)
 
     def _start_init_state(

@@ -155,6 +155,11 @@ class Strategy(abc.ABC):
         together with the logged values)."""
         return None
 
+    def gather_params(self) -> Callable[[Any], Any] | None:
+        """How the train step's differentiated function makes each device's
+        parameter shards whole (``None``: it receives them whole)."""
+        return None
+
     @abc.abstractmethod
     def replicate(self, tree: Any) -> Any: ...
 

@@ -26,10 +26,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlightning.step import gradient_view
+from jaxlightning.step import GATHERED, gradient_view
 from jaxlightning.strategies.shard_map import ShardMapStrategy, per_device, spec
 
 MODEL_AXIS = "model"
@@ -191,11 +192,20 @@ class MeshStrategy(ShardMapStrategy):
 
     def compile_train(self, parts: Any) -> Callable[..., Any]:
         """The train step: per-device gradients, then one sharded update."""
-        gradients = self._per_device(
-            parts.gradients,
-            (P(), P(self.axis_name), P(self.axis_name)),
-            (self._grad_specs(), P(), P()),
-        )
+
+        def view_specs(view: Any) -> Any:
+            specs = jax.tree.map(lambda _: P(), view)
+            if self.gather_params() is None:
+                return specs
+            return specs.replace(params=self._param_specs)
+
+        def gradients(view: Any, batch: Any, rows: Any) -> Any:
+            mapped = self._per_device(
+                parts.gradients,
+                (view_specs(view), P(self.axis_name), P(self.axis_name)),
+                (self._grad_specs(), P(), P()),
+            )
+            return mapped(view, batch, rows)
 
         def jl_sharded_train_step(state, acc, batch, rows):
             return parts.apply(state, acc, *gradients(gradient_view(state), batch, rows))
@@ -317,19 +327,33 @@ class FSDPStrategy(MeshStrategy):
         return dim
 
     def reduce_grads(self) -> Callable[[Any], Any]:
+        # The sharded arrays' gradients come out of the gather's transpose
+        # reduce-scattered already; the whole arrays' are summed here.
         axis = self.axis_name
         specs = self._param_specs
 
         def reduce(grads: Any) -> Any:
             def one(g: jax.Array, spec: P) -> jax.Array:
-                if axis not in spec:
-                    return jax.lax.psum(g, axis)
-                dim = list(spec).index(axis)
-                return jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+                return g if axis in spec else jax.lax.psum(g, axis)
 
             return jax.tree.map(one, grads, specs, is_leaf=_is_spec)
 
         return reduce
+
+    def gather_params(self) -> Callable[[Any], Any]:
+        axis = self.axis_name
+        specs = self._param_specs
+
+        def gather(params: Any) -> Any:
+            def one(p: jax.Array, spec: P) -> jax.Array:
+                if axis not in spec:
+                    return p
+                whole = jax.lax.all_gather(p, axis, axis=list(spec).index(axis), tiled=True)
+                return checkpoint_name(whole, GATHERED)
+
+            return jax.tree.map(one, params, specs, is_leaf=_is_spec)
+
+        return gather
 
     def _grad_specs(self) -> Any:
         return self._param_specs
