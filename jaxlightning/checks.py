@@ -15,6 +15,7 @@ from typing import Any
 
 import optax
 
+from jaxlightning.loss_scale import with_loss_scale
 from jaxlightning.optimizers import ALL, Groups, by_group
 from jaxlightning.step import StepOptions
 from jaxlightning.strategies.shard_map import ShardMapStrategy
@@ -66,9 +67,18 @@ def epoch_limit(max_epochs: Any, max_steps: Any) -> tuple[int | None, int]:
 
 
 def step_options(
-    clip_val: Any, clip_algorithm: Any, log_grad_norm: Any, accumulate: Any = 1
+    clip_val: Any,
+    clip_algorithm: Any,
+    log_grad_norm: Any,
+    accumulate: Any = 1,
+    on_nonfinite: Any = "raise",
 ) -> StepOptions:
     """The train step's gradient options, checked."""
+    if on_nonfinite not in ("raise", "skip"):
+        raise ValueError(
+            f"on_nonfinite={on_nonfinite!r}: use 'raise' (stop at the next report) or 'skip' "
+            "(leave out each update whose loss or gradient is not finite)"
+        )
     accumulate = int_arg("accumulate_grad_batches", accumulate, minimum=1)
     if accumulate > 1 and log_grad_norm:
         raise ValueError(
@@ -81,7 +91,9 @@ def step_options(
         clip_val = float(clip_val)
     if clip_algorithm not in ("norm", "value"):
         raise ValueError(f"gradient_clip_algorithm={clip_algorithm!r}: use 'norm' or 'value'")
-    return StepOptions(clip_val, clip_algorithm, bool(log_grad_norm), accumulate)
+    return StepOptions(
+        clip_val, clip_algorithm, bool(log_grad_norm), accumulate, on_nonfinite=on_nonfinite
+    )
 
 
 def optimizer(module: Any, *, manual: bool = False) -> Any:
@@ -316,6 +328,12 @@ def fit_optimizer(module: Any, manual: bool, options: StepOptions, callbacks: li
     """The optimizer the train step uses: ``configure_optimizers``', behind the
     Trainer's gradient clipping, transformed by callbacks that live in the
     optimizer (EMA)."""
+    if options.loss_scaled and (manual or options.accumulate_grad_batches > 1):
+        what = "manual optimization" if manual else "accumulate_grad_batches > 1"
+        raise ValueError(
+            f"precision='16-mixed' with {what} is not supported yet (its loss scaling is "
+            "built into the automatic one-batch update); use 'bf16-mixed'"
+        )
     tx = options.with_clipping(optimizer(module, manual=manual))
     for callback in callbacks:
         transform = getattr(callback, "transform_optimizer", None)
@@ -326,4 +344,4 @@ def fit_optimizer(module: Any, manual: bool, options: StepOptions, callbacks: li
                     "optimization (training_step) does not support"
                 )
             tx = transform(tx)
-    return tx
+    return with_loss_scale(tx) if options.loss_scaled else tx

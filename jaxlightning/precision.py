@@ -4,6 +4,9 @@
 parameters and optimizer state; the forward and backward passes see bfloat16
 copies of the parameters and of the batch's floating inputs, while the loss,
 the gradient that reaches the optimizer and every logged value stay float32.
+``"16-mixed"``: as ``"bf16-mixed"`` in float16, with dynamic loss scaling
+(`jaxlightning.loss_scale`): an update whose scaled gradient overflows is
+skipped and the scale halved.
 ``"bf16-true"``: parameters, optimizer state and inputs in bfloat16.
 ``"64-true"``: float64, which JAX allows only with ``JAX_ENABLE_X64=1``.
 No flax module needs its own dtype settings: the casts happen around it.
@@ -16,17 +19,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true")
-_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "64": "64-true", 64: "64-true"}
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
+_ALIASES = {
+    "32": "32-true",
+    32: "32-true",
+    "bf16": "bf16-mixed",
+    "16": "16-mixed",
+    16: "16-mixed",
+    "64": "64-true",
+    64: "64-true",
+}
 
 
 def resolve(precision: Any) -> str:
     """A ``precision`` setting, checked (Lightning's short names accepted)."""
     value = _ALIASES.get(precision, precision)
-    if value in ("16-mixed", "16-true", 16, "16"):
+    if value == "16-true":
         raise ValueError(
-            f"precision={precision!r}: float16 needs loss scaling, which is not supported; "
-            "use 'bf16-mixed' (same speed on current accelerators, no scaling needed)"
+            f"precision={precision!r}: float16 parameters lose small updates; use "
+            "'16-mixed' (float32 parameters, float16 compute, dynamic loss scaling) or "
+            "'bf16-mixed'"
         )
     if value not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: use one of {PRECISIONS}")
@@ -48,9 +60,13 @@ def _cast_floats(tree: Any, dtype: Any) -> Any:
 
 def compute_dtype(precision: str) -> Any:
     """The dtype of the forward and backward passes (``None``: unchanged)."""
-    return {"bf16-mixed": jnp.bfloat16, "bf16-true": jnp.bfloat16, "64-true": jnp.float64}.get(
-        precision
-    )
+    dtypes = {
+        "bf16-mixed": jnp.bfloat16,
+        "16-mixed": jnp.float16,
+        "bf16-true": jnp.bfloat16,
+        "64-true": jnp.float64,
+    }
+    return dtypes.get(precision)
 
 
 def for_compute(tree: Any, precision: str) -> Any:

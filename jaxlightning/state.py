@@ -110,10 +110,17 @@ class AccumulatingState(TrainState):
             micro=self.micro + 1,
         )
 
-    def apply_accumulated(self, tx: optax.GradientTransformation) -> AccumulatingState:
-        """One optimizer update with the mean gradient accumulated so far; starts over."""
+    def apply_accumulated(
+        self, tx: optax.GradientTransformation, skip_empty: bool = False
+    ) -> AccumulatingState:
+        """One optimizer update with the mean gradient accumulated so far; starts
+        over. With ``skip_empty``, no update when no row was accumulated (every
+        micro-batch was left out)."""
         grads = jax.tree.map(lambda g: g / self.rows, self.grad_sum)
         updated = self.apply_gradients(tx, grads)
+        if skip_empty:
+            kept = self.rows > 0
+            updated = jax.tree.map(lambda n, o: jax.numpy.where(kept, n, o), updated, self)
         return updated.replace(
             grad_sum=jax.tree.map(jax.numpy.zeros_like, self.grad_sum),
             rows=jax.numpy.zeros_like(self.rows),

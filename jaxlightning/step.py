@@ -29,8 +29,17 @@ import numpy as np
 import optax
 from clu import metrics as clu_metrics
 
+from jaxlightning.loss_scale import LossScaleState, next_scale
 from jaxlightning.losses import loss_terms, pmean_floats
-from jaxlightning.metrics import Average, LogOptions, across_devices, from_logged, settle, zero
+from jaxlightning.metrics import (
+    Average,
+    LogOptions,
+    Total,
+    across_devices,
+    from_logged,
+    settle,
+    zero,
+)
 from jaxlightning.module import JaxModule
 from jaxlightning.optimizers import Groups, Optimizers
 from jaxlightning.precision import for_compute
@@ -41,6 +50,9 @@ AXIS = "batch"
 collectives of your own, e.g. ``nn.BatchNorm(axis_name=jl.AXIS)`` for BatchNorm
 statistics over the global batch, or ``jax.lax.pmean(x, jl.AXIS)``."""
 Metrics = dict[str, clu_metrics.Metric]
+GATHERED = "jl_gathered_param"
+"""The name (`jax.ad_checkpoint.checkpoint_name`) of a parameter a sharding
+strategy gathered whole for the step: recomputed, not saved, for the backward pass."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +68,9 @@ class StepOptions:
         accumulate_grad_batches: micro-batches per optimizer update; the state
             is then an `AccumulatingState` that sums their gradients.
         precision: see `jaxlightning.precision`.
+        on_nonfinite: ``"raise"`` (apply every update; the loop raises at the
+            next report when a loss was not finite) or ``"skip"`` (an update
+            whose loss or gradient is not finite leaves the state as it was).
     """
 
     gradient_clip_val: float | None = None
@@ -63,6 +78,17 @@ class StepOptions:
     log_grad_norm: bool = False
     accumulate_grad_batches: int = 1
     precision: str = "32-true"
+    on_nonfinite: str = "raise"
+
+    @property
+    def skip_nonfinite(self) -> bool:
+        """Whether a non-finite update is skipped: asked for, or part of
+        float16's loss scaling (an overflow halves the scale)."""
+        return self.on_nonfinite == "skip" or self.loss_scaled
+
+    @property
+    def loss_scaled(self) -> bool:
+        return self.precision == "16-mixed"
 
     def with_clipping(self, tx: Any) -> Any:
         """``tx`` with the gradient clipping in front of it, as one optax chain
@@ -82,6 +108,9 @@ Options = dict[str, LogOptions]
 # The Trainer's own training loss, as reported: per interval, in the bar.
 LOSS_OPTIONS = LogOptions(on_step=True, on_epoch=False, prog_bar=True)
 GRAD_NORM_OPTIONS = LogOptions(on_step=True, on_epoch=False)
+# Under on_nonfinite="skip": the updates skipped in each logging interval.
+SKIPPED = "skipped_updates"
+SKIPPED_OPTIONS = LogOptions(on_step=True, on_epoch=False, reduce_fx="sum")
 
 
 @flax.struct.dataclass
@@ -146,6 +175,45 @@ def _merge_train(
     first = jnp.where(acc.first_nonfinite > 0, acc.first_nonfinite, bad)
     epoch = _merge(acc.epoch, {name: new[name] for name in acc.epoch if name in new}, hook)
     return TrainMetrics(_merge(acc.metrics, new, hook), epoch, first)
+
+
+def _not_gathered(prim: Any, *_: Any, **params: Any) -> bool:
+    """The `jax.checkpoint` policy of a step that gathers sharded parameters:
+    save every value for the backward pass except those gathers (the
+    ``all_gather`` over `AXIS` and its named result)."""
+    if prim.name == "all_gather":
+        return params.get("axis_name") not in (AXIS, (AXIS,))
+    return not (prim.name == "name" and params.get("name") == GATHERED)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every floating array of ``tree`` is finite."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves] or [jnp.bool_(True)]))
+
+
+def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``ok``, else ``old``, leaf by leaf (bitwise one or the other)."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def _merge_checked(
+    acc: TrainMetrics,
+    new: Metrics,
+    step: jax.Array,
+    finite: jax.Array,
+    hook: str,
+    options: StepOptions,
+) -> TrainMetrics:
+    """`_merge_train`; under ``on_nonfinite="skip"`` a skipped step's logged
+    values are left out (its loss is not finite) and it is counted as skipped."""
+    if not options.skip_nonfinite:
+        return _merge_train(acc, new, step, finite, hook)
+    one = jnp.ones((), jnp.int32)
+    new = {**new, SKIPPED: Total(total=(~finite).astype(jnp.float32), count=one)}
+    merged = _merge_train(acc, new, step, jnp.bool_(True), hook)
+    kept = keep_if(finite, merged, acc)
+    return kept.replace(metrics={**kept.metrics, SKIPPED: merged.metrics[SKIPPED]})
 
 
 def is_manual(module: JaxModule) -> bool:
@@ -233,16 +301,17 @@ def zero_train_metrics(
             optimizers = Optimizers(tx, state, module.batch_mask, lambda tree: tree, AXIS)
             module.training_step(optimizers, batch, rngs)
 
-        options = _logged_names(module, "training_step", state, batch, rngs, call=manual)
+        logged = _logged_names(module, "training_step", state, batch, rngs, call=manual)
     else:
         logged = _logged_names(module, "loss", state.variables, batch, rngs, call=module._call_loss)
         logged["loss"] = LOSS_OPTIONS
         if options.log_grad_norm:
             logged["grad_norm"] = GRAD_NORM_OPTIONS
-        options = logged
-    metrics = {name: zero(opts) for name, opts in options.items()}
-    epoch = {name: zero(opts) for name, opts in options.items() if opts.on_epoch}
-    return TrainMetrics(metrics, epoch, np.zeros((), np.int32)), options
+    if options.skip_nonfinite:
+        logged[SKIPPED] = SKIPPED_OPTIONS
+    metrics = {name: zero(opts) for name, opts in logged.items()}
+    epoch = {name: zero(opts) for name, opts in logged.items() if opts.on_epoch}
+    return TrainMetrics(metrics, epoch, np.zeros((), np.int32)), logged
 
 
 def zero_eval_metrics(
@@ -289,8 +358,10 @@ class TrainStepParts:
 
 def gradient_view(state: TrainState) -> TrainState:
     """``state`` without the arrays the gradient part never reads: a strategy
-    that shards the state gathers only the rest for each device."""
-    view = state.replace(opt_state=None)
+    that shards the state gathers only the rest for each device (of the
+    optimizer state only a loss scale, when there is one)."""
+    scaled = isinstance(state.opt_state, LossScaleState)
+    view = state.replace(opt_state=state.opt_state._replace(inner=None) if scaled else None)
     if isinstance(state, AccumulatingState):
         view = view.replace(grad_sum=None)
     return view
@@ -301,6 +372,7 @@ def build_train_parts(
     tx: Any,
     options: StepOptions = StepOptions(),
     reduce_grads: Callable[[Any], Any] | None = None,
+    gather_params: Callable[[Any], Any] | None = None,
 ) -> TrainStepParts:
     """The automatic train step (`JaxModule.loss`) as `TrainStepParts`.
 
@@ -312,6 +384,12 @@ def build_train_parts(
         reduce_grads: how the per-device gradient is summed across devices
             (default: ``psum``, in one collective with the logged values); a
             sharding strategy passes a reduce-scatter.
+        gather_params: for a strategy whose gradient part receives each
+            device's shard of the parameters (FSDP): makes them whole inside the
+            differentiated function, so the gradient of each gathered array
+            comes out reduce-scattered (the transpose of a gather), and the
+            gathered arrays are not kept for the backward pass but gathered
+            again there (`GATHERED` names them for `jax.checkpoint`).
     """
 
     k = options.accumulate_grad_batches
@@ -321,16 +399,25 @@ def build_train_parts(
         # With accumulation every micro-batch gets its own keys.
         key_step = state.step if k == 1 else state.step * k + state.micro
         rngs = device_keys(state.rng, key_step, module._streams())
+        scale = state.opt_state.scale if options.loss_scaled else None
 
         def objective(params):
+            if gather_params is not None:
+                params = gather_params(params)
             variables = {"params": for_compute(params, options.precision), **state.model_state}
             with module._collect_logs("loss", mask, state.step, epoch) as logged:
                 out = module._call_loss(variables, for_compute(batch, options.precision), rngs)
             total, count, updates = loss_terms(out, state.model_state, mask)
             metrics = _logged_metrics(logged, mask)
             metrics["loss"] = Average(total=total, count=count)
-            return total, (metrics, updates)
+            scaled = total if scale is None else total * scale
+            return scaled, (metrics, updates)
 
+        if gather_params is not None:
+            # Keep everything for the backward pass except the gathered
+            # parameters: each is gathered again where the backward pass needs
+            # it, so no device ever holds all of them at once.
+            objective = jax.checkpoint(objective, policy=_not_gathered)
         grads, (metrics, updates) = jax.grad(objective, has_aux=True)(state.params)
         if reduce_grads is None:
             (grads, summed_updates), metrics = _reduced(metrics, (grads, updates))
@@ -343,19 +430,25 @@ def build_train_parts(
     def jl_apply(state, acc, grads, updates, metrics):
         n_real = metrics["loss"].count
         finite = jnp.isfinite(metrics["loss"].total)
+        if options.skip_nonfinite:
+            finite = finite & all_finite(grads)
         if k > 1:  # sum this micro-batch in; update once k are in
+            kept = state
             state = state.accumulate(grads, n_real).replace(
                 model_state={**state.model_state, **updates}
             )
+            if options.skip_nonfinite:  # a bad micro-batch is left out of the mean
+                state = keep_if(finite, state, kept.replace(micro=state.micro))
             new_state = jax.lax.cond(
                 state.micro == k,
-                lambda s: s.apply_accumulated(tx),
+                lambda s: s.apply_accumulated(tx, skip_empty=options.skip_nonfinite),
                 lambda s: s,
                 state,
             )
             step = state.step * k + state.micro  # micro-batches, for the non-finite report
-            return new_state, _merge_train(acc, metrics, step, finite, "loss")
-        grads = jax.tree.map(lambda g: g / n_real, grads)
+            return new_state, _merge_checked(acc, metrics, step, finite, "loss", options)
+        divisor = n_real if not options.loss_scaled else n_real * state.opt_state.scale
+        grads = jax.tree.map(lambda g: g / divisor, grads)
         if options.log_grad_norm:  # the same on every device: counts once per step
             norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
             metrics["grad_norm"] = Average(
@@ -364,7 +457,11 @@ def build_train_parts(
         # the loss of the global batch, the same on every device
         value = metrics["loss"].total / n_real
         new_state = state.apply_gradients(tx, grads, updates, value=value)
-        return new_state, _merge_train(acc, metrics, new_state.step, finite, "loss")
+        if options.skip_nonfinite:
+            new_state = keep_if(finite, new_state, state)
+        if options.loss_scaled:
+            new_state = new_state.replace(opt_state=next_scale(new_state.opt_state, finite))
+        return new_state, _merge_checked(acc, metrics, new_state.step, finite, "loss", options)
 
     return TrainStepParts(jl_gradients, jl_apply)
 
@@ -404,7 +501,11 @@ def build_train_step(
         _, metrics = _reduced(_logged_metrics(logged, mask))
         new_state = optimizers.state.replace(step=state.step + 1)
         finite = optimizers.finite
-        return new_state, _merge_train(acc, metrics, new_state.step, finite, "training_step")
+        if options.skip_nonfinite:
+            new_state = keep_if(finite, new_state, state)
+        return new_state, _merge_checked(
+            acc, metrics, new_state.step, finite, "training_step", options
+        )
 
     if is_manual(module):
         return jl_manual_train_step
@@ -454,10 +555,9 @@ def build_predict_step(
         variables = {**variables, "params": for_compute(variables["params"], precision)}
         with module._collect_logs("predict_step", mask, epoch=epoch):
             out = module._call_eval("predict_step", variables, for_compute(batch, precision))
-        if precision == "bf16-mixed":
-            out = jax.tree.map(
-                lambda o: o.astype(jnp.float32) if o.dtype == jnp.bfloat16 else o, out
-            )
+        if precision in ("bf16-mixed", "16-mixed"):
+            half = (jnp.bfloat16, jnp.float16)
+            out = jax.tree.map(lambda o: o.astype(jnp.float32) if o.dtype in half else o, out)
         rows = jax.tree.leaves(batch)[0].shape[0]
         for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
             shape = jnp.shape(leaf)

@@ -132,6 +132,15 @@ class Trainer:
         stop_on_nonfinite_loss: raise `NonFiniteLossError` when the loss becomes
             NaN or infinite (detected at the next report or checkpoint, without a
             per-step sync; a bad state is never checkpointed).
+        on_nonfinite: ``"raise"`` (default; see ``stop_on_nonfinite_loss``) or
+            ``"skip"``: an update whose loss or gradient is NaN or infinite is
+            left out on every device alike, decided inside the step (no host
+            sync): the state stays bitwise what it would be had that batch been
+            absent (its step counter too, so later keys and schedules match),
+            the step's logged values are left out, and each logging interval
+            reports how many it skipped as ``train/skipped_updates``. With
+            ``accumulate_grad_batches`` a bad micro-batch is left out of its
+            update's mean. ``global_step`` still counts the skipped batches.
         use_distributed_sampler: let the Trainer own the order of plain
             DataLoaders (seeded per epoch, each process reading only its share),
             which makes runs reproducible and resumable mid-epoch without
@@ -202,6 +211,7 @@ class Trainer:
         callbacks: Sequence[Callback] | Callback | None = None,
         enable_checkpointing: bool = True,
         stop_on_nonfinite_loss: bool = True,
+        on_nonfinite: str = "raise",
         use_distributed_sampler: bool = True,
         data_on_device: bool | str = "auto",
         steps_per_execution: int = 1,
@@ -239,7 +249,11 @@ class Trainer:
             callbacks = [c for c in as_list(callbacks) if not isinstance(c, ModelCheckpoint)]
         seed = checks.int_arg("seed", default_seed() if seed is None else seed, minimum=0)
         options = checks.step_options(
-            gradient_clip_val, gradient_clip_algorithm, log_grad_norm, accumulate_grad_batches
+            gradient_clip_val,
+            gradient_clip_algorithm,
+            log_grad_norm,
+            accumulate_grad_batches,
+            on_nonfinite,
         )
         options = dataclasses.replace(options, precision=precision_setting(precision))
         self.default_root_dir = os.fspath(default_root_dir or os.getcwd())

@@ -164,8 +164,8 @@ def test_bf16_true_keeps_parameters_in_bfloat16_and_other_settings_are_named():
     assert {leaf.dtype for leaf in jax.tree.leaves(trainer.state.params)} == {
         jnp.dtype(jnp.bfloat16)
     }
-    with pytest.raises(ValueError, match="float16 needs loss scaling"):
-        quiet_trainer(precision="16-mixed")
+    with pytest.raises(ValueError, match="float16 parameters lose small updates"):
+        quiet_trainer(precision="16-true")
     with pytest.raises(ValueError, match="64-true' needs 64-bit JAX"):
         quiet_trainer(precision="64-true")
     with pytest.raises(ValueError, match=r"precision='fp8': use one of"):

@@ -8,6 +8,7 @@ import jax
 import optax
 
 from jaxlightning.callbacks.base import Callback
+from jaxlightning.loss_scale import LossScaleState
 
 if TYPE_CHECKING:
     from jaxlightning.callbacks.view import TrainerView
@@ -69,6 +70,8 @@ class EMA(Callback):
 
     @staticmethod
     def _ema_params(opt_state: Any) -> Any:
+        if isinstance(opt_state, LossScaleState):  # precision="16-mixed" wraps the chain
+            opt_state = opt_state.inner
         return opt_state[-1].ema
 
     def evaluation_variables(self, trainer: TrainerView, state: Any) -> dict[str, Any]:

@@ -1,0 +1,96 @@
+"""Trainer(on_nonfinite="skip"): a bad update is left out, decided inside the step."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from tests.helpers import LitMLP, digits, loader, quiet_trainer
+
+
+def _params(trainer):
+    return jax.tree.map(np.asarray, trainer.state.params)
+
+
+def _assert_bitwise_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+def test_a_nan_batch_is_skipped_as_if_it_were_absent(strategy):
+    x, y = digits(64)
+    bad = x.copy()
+    bad[33] = np.nan  # batch 4 (rows 32-39): update 5
+    kept = np.r_[0:32, 40:64]
+    # Dropout on: keys come from the state's step counter, which a skipped
+    # update leaves as it was, so the later batches get the same keys.
+    common = dict(max_epochs=1, devices=2, strategy=strategy, on_nonfinite="skip", seed=3)
+    skipping = quiet_trainer(log_every_n_steps=50, **common)
+    skipping.fit(LitMLP(dropout=0.1), loader(bad, y, 8))
+    absent = quiet_trainer(**common)
+    absent.fit(LitMLP(dropout=0.1), loader(x[kept], y[kept], 8))
+
+    _assert_bitwise_equal(_params(skipping), _params(absent))
+    assert int(skipping.state.step) == int(absent.state.step) == 7
+    assert skipping.global_step == 8  # the host counts the batch it trained on
+    metrics = skipping.callback_metrics
+    assert metrics["train/skipped_updates"] == 1.0
+    assert np.isfinite(metrics["train/loss"])  # the skipped step's loss is left out
+
+
+def test_a_skipped_accumulated_update_is_as_if_its_batches_were_absent():
+    x, y = digits(64)
+    bad = x.copy()
+    bad[[17, 29]] = np.nan  # batches 2 and 3: both micro-batches of update 2
+    kept = np.r_[0:16, 32:64]
+    common = dict(max_epochs=1, devices=2, on_nonfinite="skip", accumulate_grad_batches=2)
+    skipping = quiet_trainer(**common)
+    skipping.fit(LitMLP(), loader(bad, y, 8))
+    absent = quiet_trainer(**common)
+    absent.fit(LitMLP(), loader(x[kept], y[kept], 8))
+    _assert_bitwise_equal(_params(skipping), _params(absent))
+    assert int(skipping.state.step) == 3
+
+
+def test_on_nonfinite_choices_other_than_raise_and_skip_are_named():
+    with pytest.raises(ValueError, match="on_nonfinite='rollback': use 'raise'.*or 'skip'"):
+        quiet_trainer(on_nonfinite="rollback")
+
+
+def test_float16_mixed_learns_digits_within_a_point_of_float32():
+    x, y = digits()
+    train, val = loader(x[:1400], y[:1400], 32, shuffle=True), loader(x[1400:], y[1400:], 128)
+    accuracy = {}
+    for precision in ("32-true", "16-mixed"):
+        trainer, module = quiet_trainer(max_epochs=6, devices=2, precision=precision), LitMLP()
+        trainer.fit(module, train)
+        accuracy[precision] = trainer.validate(module, val)[0]["val/acc"]
+    assert accuracy["32-true"] > 0.88
+    assert abs(accuracy["16-mixed"] - accuracy["32-true"]) <= 0.01
+
+
+def test_float16_overflow_skips_the_update_and_halves_the_scale():
+    # A large loss: its float16 gradient overflows at the initial scale of
+    # 2**16, so the first updates are skipped until the scale is small enough.
+    class LargeLoss(LitMLP):
+        def loss(self, variables, batch, rngs):
+            return super().loss(variables, batch, rngs) * 1000.0
+
+    x, y = digits(256)
+    trainer = quiet_trainer(max_epochs=1, devices=2, precision="16-mixed", log_every_n_steps=99)
+    trainer.fit(LargeLoss(lr=1e-3), loader(x, y, 16))
+    skipped = int(trainer.callback_metrics["train/skipped_updates"])
+    scale = trainer.state.opt_state.scale
+    assert skipped >= 1
+    assert float(scale) == 2.0**16 / 2**skipped  # halved once per skip, no growth yet
+    assert int(trainer.state.step) == trainer.global_step - skipped == 16 - skipped
+    assert np.isfinite(trainer.callback_metrics["train/loss"])
+
+
+def test_float16_mixed_refuses_what_its_loss_scaling_does_not_cover_yet():
+    x, y = digits(32)
+    trainer = quiet_trainer(max_steps=1, precision="16-mixed", accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match="'16-mixed' with accumulate_grad_batches > 1"):
+        trainer.fit(LitMLP(), loader(x, y, 8))
