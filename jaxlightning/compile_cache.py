@@ -18,11 +18,9 @@ def enable(path: str | os.PathLike[str]) -> None:
     os.makedirs(path, exist_ok=True)
     if jax.config.jax_compilation_cache_dir != path:
         jax.config.update("jax_compilation_cache_dir", path)
-        try:  # the cache object is built once per process; rebuild it for the new path
-            from jax._src import compilation_cache
+        # The cache object is built once per process; rebuild it for the new path.
+        from jax.experimental.compilation_cache import compilation_cache
 
-            compilation_cache.reset_cache()
-        except (ImportError, AttributeError):
-            pass
+        compilation_cache.reset_cache()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import optax
 
-from jaxlightning.metrics import REDUCTIONS, LogOptions
+from jaxlightning.metrics import REDUCTIONS, LogOptions, MetricObject
 
 
 def _is_numeric(value: Any) -> bool:
@@ -57,8 +58,17 @@ NO_LOG_HOOKS = frozenset(
 )
 
 
-def _check_loggable(name: Any, value: Any, hook: str, add_dataloader_idx: bool) -> None:
-    """Lightning's checks of a ``self.log`` call that hold wherever it is made."""
+def _check_loggable(
+    name: Any,
+    value: Any,
+    hook: str,
+    add_dataloader_idx: bool,
+    *,
+    reduce_fx: str = "mean",
+    host: bool = False,
+) -> None:
+    """Lightning's checks of a ``self.log`` call that hold wherever it is made,
+    and those of a metric object (``host``: made in a host-side hook)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"self.log needs a non-empty string name, got {name!r}")
     if add_dataloader_idx and "/dataloader_idx_" in name:
@@ -66,14 +76,28 @@ def _check_loggable(name: Any, value: Any, hook: str, add_dataloader_idx: bool) 
             f"self.log({name!r}, ...): the name should not carry a dataloader index; "
             "with several loaders the Trainer appends '/dataloader_idx_N' itself"
         )
+    where = f" in {hook}()" if hook else ""
+    if isinstance(value, MetricObject):
+        if host:
+            raise ValueError(
+                f"self.log({name!r}, {value!r}){where}: a metric object is reduced on the "
+                "devices over the rows of a traced hook; log it in eval_step, "
+                "validation_step, test_step or loss, or log a number here"
+            )
+        if reduce_fx != "mean":
+            raise ValueError(
+                f"self.log({name!r}, {value!r}, reduce_fx={reduce_fx!r}): a metric object "
+                "reduces itself over every real row of the run; leave reduce_fx at 'mean' "
+                "(the default), or log a per-example vector to take its sum, max or min"
+            )
+        return
     if not _is_numeric(value):
-        where = f" in {hook}()" if hook else ""
         if isinstance(value, Mapping):
             what = "nested dictionaries cannot be logged; use self.log_dict for a flat dict"
         else:
             what = (
                 f"`{type(value).__name__}` values cannot be logged; log a number, a scalar "
-                "array or a per-example array"
+                "array, a per-example array or a jl.metrics object"
             )
         raise ValueError(f"self.log({name!r}, ...){where}: {what}")
 
@@ -448,6 +472,12 @@ class JaxModule:
         ``batch_size`` are accepted for Lightning code and change nothing;
         ``rank_zero_only`` neither (only process 0 writes logs).
 
+        ``value`` may also be a metric object of `jaxlightning.metrics`
+        (``jl.metrics.F1Score(logits, y, num_classes=10, average="macro")``,
+        ``AUROC``, ...) built from the hook's per-example values: its summed
+        state is reduced exactly over every real row of the run (only with
+        ``reduce_fx="mean"``, the default; not in host-side hooks).
+
         As in Lightning, values from `loss` default to ``on_step=True,
         on_epoch=False`` (reported every ``log_every_n_steps``, and for the
         last, partial interval of each epoch), values from evaluation hooks to
@@ -469,7 +499,8 @@ class JaxModule:
         """
         del sync_dist, batch_size, rank_zero_only  # always exact; see above
         hook = self._hook if self._log_sink is not None else self._host_hook
-        _check_loggable(name, value, hook, add_dataloader_idx)
+        host = self._log_sink is None and self._trainer is not None
+        _check_loggable(name, value, hook, add_dataloader_idx, reduce_fx=reduce_fx, host=host)
         if hook in NO_LOG_HOOKS:
             raise RuntimeError(
                 f"self.log({name!r}, ...) in {hook}(): Lightning does not allow logging "
@@ -511,6 +542,8 @@ class JaxModule:
         options = self._log_options(
             name, on_step, on_epoch, prog_bar, logger, reduce_fx, add_dataloader_idx
         )
+        if isinstance(value, MetricObject):  # its empty state's shapes depend on it
+            options = dataclasses.replace(options, metric=value.spec)
         self._log_sink[name] = (value, options)
 
     def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
@@ -592,6 +625,39 @@ class JaxModule:
         if missing:
             raise ValueError(f"save_hyperparameters: no __init__ argument named {missing}")
         self.hparams.update({n: values[n] for n in wanted if n not in ignore})
+
+    def export(
+        self,
+        path: str | os.PathLike[str],
+        example_batch: Any,
+        *,
+        platforms: Sequence[str] | None = None,
+        any_batch_size: bool = True,
+    ) -> str:
+        """Writes `predict_step` with the trained variables to one file that runs
+        without this class, the Trainer or a checkpoint: read it back with
+        ``jl.load_exported(path)`` and call the result on a batch.
+
+        The step is traced once with `jax.export` on ``example_batch`` (one
+        batch as `predict_step` receives it: its structure and dtypes are fixed,
+        its number of rows is not, unless ``any_batch_size=False``) and stored
+        as serialized StableHLO beside the variables (`jaxlightning.export`).
+
+        Args:
+            path: the file to write.
+            example_batch: a batch of arrays (numpy, jax or torch tensors).
+            platforms: where it may run, e.g. ``("cpu", "cuda")``; default:
+                the platform of the current default backend.
+            any_batch_size: export the leading axis as symbolic.
+
+        Returns:
+            The path written.
+        """
+        from jaxlightning.export import export_predict
+
+        return export_predict(
+            self, path, example_batch, platforms=platforms, any_batch_size=any_batch_size
+        )
 
     @classmethod
     def load_from_checkpoint(cls, path: str | os.PathLike[str], **overrides: Any) -> JaxModule:

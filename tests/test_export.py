@@ -1,0 +1,49 @@
+"""JaxModule.export: predict_step and its variables in one file, run without the module."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+import jaxlightning as jl
+from tests.helpers import LitMLP, digits, loader, quiet_trainer
+
+
+def test_an_export_runs_in_a_fresh_process_without_the_module_as_predict(tmp_path):
+    x, y = digits(90)
+    module = LitMLP()
+    quiet_trainer(max_epochs=1, devices=2).fit(module, loader(x[:64], y[:64], 16))
+    expected = quiet_trainer(devices=2).predict(module, loader(x, y, 16))["logits"]
+    path = module.export(tmp_path / "mlp.jlx", (x[:16], y[:16]))
+
+    # Another batch size than the example's, in a process that never imports
+    # the tests' module class (only jaxlightning to read the file).
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    script = textwrap.dedent(
+        f"""
+        import numpy as np, jaxlightning as jl
+        predict = jl.load_exported({str(path)!r})
+        x, y = np.load({str(tmp_path / "x.npy")!r}), np.load({str(tmp_path / "y.npy")!r})
+        np.save({str(tmp_path / "out.npy")!r}, np.asarray(predict((x, y))["logits"]))
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_export_errors_name_the_problem(tmp_path):
+    with pytest.raises(RuntimeError, match="has no weights yet"):
+        LitMLP().export(tmp_path / "a.jlx", (np.zeros((4, 64), np.float32),))
+    module = LitMLP()
+    module.variables = LitMLP().net.init(jax.random.PRNGKey(0), np.zeros((1, 64), np.float32))
+    with pytest.raises(ValueError, match=r"one leading row axis.*\[\(4, 64\), \(3,\)\]"):
+        module.export(tmp_path / "a.jlx", (np.zeros((4, 64), np.float32), np.zeros(3)))
+    (tmp_path / "junk").write_bytes(b"\x80")
+    with pytest.raises(ValueError, match="not a file written by JaxModule.export"):
+        jl.load_exported(tmp_path / "junk")
