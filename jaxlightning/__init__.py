@@ -3,6 +3,7 @@
 from jaxlightning import callbacks as callbacks
 from jaxlightning import cli as cli
 from jaxlightning import loggers as loggers
+from jaxlightning import metrics as metrics
 from jaxlightning import strategies as strategies
 from jaxlightning.callbacks import Callback as Callback
 from jaxlightning.callbacks import EarlyStopping as EarlyStopping
@@ -13,6 +14,7 @@ from jaxlightning.checkpoint import CheckpointError as CheckpointError
 from jaxlightning.data import BatchError as BatchError
 from jaxlightning.data import DataModule as DataModule
 from jaxlightning.data.arrays import arrays as arrays
+from jaxlightning.export import load_exported as load_exported
 from jaxlightning.loggers import CSVLogger as CSVLogger
 from jaxlightning.loggers import Logger as Logger
 from jaxlightning.loggers import TensorBoardLogger as TensorBoardLogger

@@ -2,10 +2,12 @@
 
 A value logged in a traced hook becomes a `clu.metrics` state over the real
 (unmasked) rows of one device's shard: `Average` for ``reduce_fx="mean"``,
-`Total` for ``"sum"``, `Extreme` for ``"max"``/``"min"``. States merge across
-steps on device and reduce across devices inside the step (``psum``; ``pmax``
-or ``pmin`` only for extremes), so the host fetches exact values only when it
-reports them. How the host names and routes them is `LogOptions`' business.
+`Total` for ``"sum"``, `Extreme` for ``"max"``/``"min"``; a metric object
+(`F1Score`, `AUROC`, ... from `jaxlightning.metric_objects`, re-exported here)
+gives its own state of sums. States merge across steps on device and reduce
+across devices inside the step (``psum``; ``pmax`` or ``pmin`` only for
+extremes), so the host fetches exact values only when it reports them. How the
+host names and routes them is `LogOptions`' business.
 """
 
 from __future__ import annotations
@@ -19,6 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from clu import metrics as clu_metrics
+
+from jaxlightning.metric_objects import AUROC as AUROC
+from jaxlightning.metric_objects import Accuracy as Accuracy
+from jaxlightning.metric_objects import F1Score as F1Score
+from jaxlightning.metric_objects import MatthewsCorrCoef as MatthewsCorrCoef
+from jaxlightning.metric_objects import MeanAbsoluteError as MeanAbsoluteError
+from jaxlightning.metric_objects import MeanSquaredError as MeanSquaredError
+from jaxlightning.metric_objects import MetricObject as MetricObject
+from jaxlightning.metric_objects import MetricSpec as MetricSpec
+from jaxlightning.metric_objects import PearsonCorrCoef as PearsonCorrCoef
+from jaxlightning.metric_objects import Precision as Precision
+from jaxlightning.metric_objects import Recall as Recall
 
 REDUCTIONS = ("mean", "sum", "max", "min")
 
@@ -35,6 +49,8 @@ class LogOptions:
         reduce_fx: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` over real rows.
         add_dataloader_idx: with several evaluation loaders, name it
             ``<name>/dataloader_idx_N``.
+        metric: a metric object's class and settings, when the value is one
+            (its empty state's shapes depend on them).
     """
 
     on_step: bool
@@ -43,6 +59,7 @@ class LogOptions:
     logger: bool = True
     reduce_fx: str = "mean"
     add_dataloader_idx: bool = True
+    metric: MetricSpec | None = None
 
 
 Average = clu_metrics.Average
@@ -93,7 +110,9 @@ def _fill(op: str) -> float:
 
 
 def zero(options: LogOptions) -> clu_metrics.Metric:
-    """The empty state of a name logged with ``options`` (host numpy scalars)."""
+    """The empty state of a name logged with ``options`` (host numpy arrays)."""
+    if options.metric is not None:
+        return options.metric.empty()
     count = np.zeros((), np.int32)
     if options.reduce_fx in ("max", "min"):
         value = np.asarray(_fill(options.reduce_fx), np.float32)
@@ -103,13 +122,21 @@ def zero(options: LogOptions) -> clu_metrics.Metric:
 
 
 def from_logged(name: str, value: Any, mask: jax.Array, options: LogOptions) -> Any:
-    """One shard's state of a logged scalar or per-example ``value``.
+    """One shard's state of a logged scalar, per-example ``value`` or metric object.
 
     A scalar counts once per real row (so a scalar mean of the shard averages
     exactly across devices), except for ``"sum"``: a `ScalarSum`, to be
     settled after the sum across devices; a per-example vector counts its real
-    rows.
+    rows; a `MetricObject` gives its state over the real rows.
     """
+    if isinstance(value, MetricObject):
+        if value.rows != mask.shape[0]:
+            raise ValueError(
+                f"self.log({name!r}, {value!r}) got inputs of {value.rows} rows but this "
+                f"device's shard has {mask.shape[0]}; give it one row per example of the "
+                "batch the hook sees"
+            )
+        return value.state(mask)
     value = jnp.asarray(value)
     scalar = value.ndim == 0
     if scalar:
