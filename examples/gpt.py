@@ -2,6 +2,7 @@
 
     python examples/gpt.py [fit] [--trainer.max_steps 300] [--trainer.strategy fsdp]
         [--trainer.precision bf16-mixed] [--trainer.accumulate_grad_batches 2]
+        [--model.scan true]                 # blocks in one nn.scan, FSDP gathers per block
         [--model.remat true]                # recompute each block in the backward pass
     python examples/gpt.py --trainer.strategy jaxlightning.ModelParallelStrategy \
         --trainer.strategy.model 2          # tensor parallel: data 4 x model 2
@@ -50,16 +51,18 @@ class Block(nn.Module):
     d_model: int
     heads: int
     dropout: float
+    fsdp: bool = False  # annotate the kernels' other dimension with the data axis
 
     @nn.compact
     def __call__(self, x, train: bool):
         b, t, d = x.shape
         hd = d // self.heads
+        data = jl.AXIS if self.fsdp else None  # split over the data axis under FSDP
         h = nn.LayerNorm()(x)
         # No key bias: softmax ignores it, so its gradient is zero up to
         # rounding, which Adam would turn into steps of full size.
         q, k, v = (
-            nn.Dense(d, use_bias=name != "key", kernel_init=_split(None, "model"), name=name)(
+            nn.Dense(d, use_bias=name != "key", kernel_init=_split(data, "model"), name=name)(
                 h
             ).reshape(b, t, self.heads, hd)
             for name in ("query", "key", "value")
@@ -69,15 +72,15 @@ class Block(nn.Module):
         weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
         weights = nn.Dropout(self.dropout, deterministic=not train)(weights)
         out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
-        out = nn.Dense(d, kernel_init=_split("model", None), name="out")(out)
+        out = nn.Dense(d, kernel_init=_split("model", data), name="out")(out)
         x = x + nn.Dropout(self.dropout, deterministic=not train)(out)
         h = nn.LayerNorm()(x)
         h = nn.Dense(
             4 * d,
-            kernel_init=_split(None, "model"),
+            kernel_init=_split(data, "model"),
             bias_init=nn.with_partitioning(nn.initializers.zeros, ("model",)),
         )(h)
-        h = nn.Dense(d, kernel_init=_split("model", None))(nn.gelu(h))
+        h = nn.Dense(d, kernel_init=_split("model", data))(nn.gelu(h))
         return x + nn.Dropout(self.dropout, deterministic=not train)(h)
 
 
@@ -89,18 +92,53 @@ class GPT(nn.Module):
     context: int = 32
     dropout: float = 0.1
     remat: bool = False
+    scan: bool = False
 
     @nn.compact
     def __call__(self, tokens, train: bool = False):
         t = tokens.shape[1]
         x = nn.Embed(self.vocab, self.d_model)(tokens)
         x = x + self.param("pos", nn.initializers.normal(0.02), (self.context, self.d_model))[:t]
-        # With remat each block keeps only its input for the backward pass and
-        # runs its forward again there: activations of one block at a time.
-        block = nn.remat(Block, static_argnums=(2,)) if self.remat else Block
-        for i in range(self.layers):
-            x = block(self.d_model, self.heads, self.dropout, name=f"Block_{i}")(x, train)
+        if self.scan:
+            x = self._scanned_blocks(x, train)
+        else:
+            # With remat each block keeps only its input for the backward pass
+            # and runs its forward again there: activations of one block at a time.
+            block = nn.remat(Block, static_argnums=(2,)) if self.remat else Block
+            for i in range(self.layers):
+                x = block(self.d_model, self.heads, self.dropout, name=f"Block_{i}")(x, train)
         return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+    def _scanned_blocks(self, x, train: bool):
+        """The blocks as one loop over stacked parameters (``nn.scan``): each
+        block gathers its own parameters under FSDP (`jl.fsdp_gathered`), so a
+        device holds one block's parameters whole at a time."""
+        block = jl.fsdp_gathered(ScanBlock)
+        if self.remat:
+            block = nn.remat(block)
+        blocks = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            length=self.layers,
+            metadata_params={nn.PARTITION_NAME: None},
+        )
+        x, _ = blocks(self.d_model, self.heads, self.dropout, train, name="Blocks")(x, None)
+        return x
+
+
+class ScanBlock(nn.Module):
+    """A `Block` with nn.scan's signature ``(carry, x) -> (carry, y)``."""
+
+    d_model: int
+    heads: int
+    dropout: float
+    train: bool
+
+    @nn.compact
+    def __call__(self, x, _):
+        y = Block(self.d_model, self.heads, self.dropout, fsdp=True)(x, self.train)
+        return y.astype(x.dtype), None  # a loop's carry keeps its dtype (bf16-mixed)
 
 
 class LitGPT(jl.JaxModule):
@@ -116,10 +154,11 @@ class LitGPT(jl.JaxModule):
         lr: float = 3e-3,
         warmup: float = 0.1,
         remat: bool = False,
+        scan: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
-        self.net = GPT(VOCAB, d_model, heads, layers, context, dropout, remat)
+        self.net = GPT(VOCAB, d_model, heads, layers, context, dropout, remat, scan)
 
     def setup(self, rng, batch):
         return self.net.init(rng, batch[:, :-1])

@@ -31,6 +31,7 @@ from jaxlightning.strategies import ModelParallelStrategy as ModelParallelStrate
 from jaxlightning.strategies import PmapStrategy as PmapStrategy
 from jaxlightning.strategies import ShardMapStrategy as ShardMapStrategy
 from jaxlightning.strategies import Strategy as Strategy
+from jaxlightning.strategies import fsdp_gathered as fsdp_gathered
 from jaxlightning.trainer import NonFiniteLossError as NonFiniteLossError
 from jaxlightning.trainer import Trainer as Trainer
 from jaxlightning.tuner import Tuner as Tuner

@@ -14,8 +14,12 @@ No flax module needs its own dtype settings: the casts happen around it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -52,10 +56,31 @@ def resolve(precision: Any) -> str:
 
 def _cast_floats(tree: Any, dtype: Any) -> Any:
     def cast(x: Any) -> Any:
+        if isinstance(x, nn.Partitioned):  # a shard its layer gathers, then casts
+            return x
         x = jnp.asarray(x)
         return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
-    return jax.tree.map(cast, tree)
+    return jax.tree.map(cast, tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+_COMPUTING: contextvars.ContextVar[Any] = contextvars.ContextVar("jl_compute_dtype", default=None)
+
+
+@contextlib.contextmanager
+def computing(precision: str) -> Iterator[None]:
+    """While a step is traced: what `compute_dtype_now` says (for parameters
+    that a `jl.fsdp_gathered` layer gathers and casts itself)."""
+    token = _COMPUTING.set(compute_dtype(precision))
+    try:
+        yield
+    finally:
+        _COMPUTING.reset(token)
+
+
+def compute_dtype_now() -> Any:
+    """The compute dtype of the step being traced (``None``: unchanged)."""
+    return _COMPUTING.get()
 
 
 def compute_dtype(precision: str) -> Any:

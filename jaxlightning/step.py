@@ -42,7 +42,7 @@ from jaxlightning.metrics import (
 )
 from jaxlightning.module import JaxModule
 from jaxlightning.optimizers import Groups, Optimizers
-from jaxlightning.precision import for_compute
+from jaxlightning.precision import computing, for_compute
 from jaxlightning.state import AccumulatingState, TrainState
 
 AXIS = "batch"
@@ -50,9 +50,6 @@ AXIS = "batch"
 collectives of your own, e.g. ``nn.BatchNorm(axis_name=jl.AXIS)`` for BatchNorm
 statistics over the global batch, or ``jax.lax.pmean(x, jl.AXIS)``."""
 Metrics = dict[str, clu_metrics.Metric]
-GATHERED = "jl_gathered_param"
-"""The name (`jax.ad_checkpoint.checkpoint_name`) of a parameter a sharding
-strategy gathered whole for the step: recomputed, not saved, for the backward pass."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,15 +172,6 @@ def _merge_train(
     first = jnp.where(acc.first_nonfinite > 0, acc.first_nonfinite, bad)
     epoch = _merge(acc.epoch, {name: new[name] for name in acc.epoch if name in new}, hook)
     return TrainMetrics(_merge(acc.metrics, new, hook), epoch, first)
-
-
-def _not_gathered(prim: Any, *_: Any, **params: Any) -> bool:
-    """The `jax.checkpoint` policy of a step that gathers sharded parameters:
-    save every value for the backward pass except those gathers (the
-    ``all_gather`` over `AXIS` and its named result)."""
-    if prim.name == "all_gather":
-        return params.get("axis_name") not in (AXIS, (AXIS,))
-    return not (prim.name == "name" and params.get("name") == GATHERED)
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -372,7 +360,7 @@ def build_train_parts(
     tx: Any,
     options: StepOptions = StepOptions(),
     reduce_grads: Callable[[Any], Any] | None = None,
-    gather_params: Callable[[Any], Any] | None = None,
+    gathering: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
 ) -> TrainStepParts:
     """The automatic train step (`JaxModule.loss`) as `TrainStepParts`.
 
@@ -384,12 +372,11 @@ def build_train_parts(
         reduce_grads: how the per-device gradient is summed across devices
             (default: ``psum``, in one collective with the logged values); a
             sharding strategy passes a reduce-scatter.
-        gather_params: for a strategy whose gradient part receives each
-            device's shard of the parameters (FSDP): makes them whole inside the
-            differentiated function, so the gradient of each gathered array
-            comes out reduce-scattered (the transpose of a gather), and the
-            gathered arrays are not kept for the backward pass but gathered
-            again there (`GATHERED` names them for `jax.checkpoint`).
+        gathering: for a strategy whose gradient part receives each device's
+            shard of the parameters (FSDP): turns the loss of whole parameters
+            into a loss of shards that gathers them inside the differentiated
+            function, so the gradient of each gathered array comes out
+            reduce-scattered (the transpose of a gather).
     """
 
     k = options.accumulate_grad_batches
@@ -402,10 +389,11 @@ def build_train_parts(
         scale = state.opt_state.scale if options.loss_scaled else None
 
         def objective(params):
-            if gather_params is not None:
-                params = gather_params(params)
             variables = {"params": for_compute(params, options.precision), **state.model_state}
-            with module._collect_logs("loss", mask, state.step, epoch) as logged:
+            with (
+                module._collect_logs("loss", mask, state.step, epoch) as logged,
+                computing(options.precision),
+            ):
                 out = module._call_loss(variables, for_compute(batch, options.precision), rngs)
             total, count, updates = loss_terms(out, state.model_state, mask)
             metrics = _logged_metrics(logged, mask)
@@ -413,11 +401,8 @@ def build_train_parts(
             scaled = total if scale is None else total * scale
             return scaled, (metrics, updates)
 
-        if gather_params is not None:
-            # Keep everything for the backward pass except the gathered
-            # parameters: each is gathered again where the backward pass needs
-            # it, so no device ever holds all of them at once.
-            objective = jax.checkpoint(objective, policy=_not_gathered)
+        if gathering is not None:
+            objective = gathering(objective)
         grads, (metrics, updates) = jax.grad(objective, has_aux=True)(state.params)
         if reduce_grads is None:
             (grads, summed_updates), metrics = _reduced(metrics, (grads, updates))

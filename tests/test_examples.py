@@ -85,9 +85,9 @@ def test_finetuning_freezes_the_backbone_then_trains_it(tmp_path):
 @pytest.mark.parametrize("strategy", ["fsdp", "tensor_parallel"])
 def test_gpt_learns_the_chain_under_sharded_strategies(tmp_path, strategy):
     gpt = load("gpt")
-    chosen = (  # FSDP with bf16 compute, accumulation over 2 batches, blocks rematerialised
+    chosen = (  # FSDP per layer (scanned blocks), bf16 compute, accumulation over 2 batches
         ["--trainer.strategy=fsdp", "--trainer.precision=bf16-mixed",
-         "--trainer.accumulate_grad_batches=2", "--model.remat=true"]
+         "--trainer.accumulate_grad_batches=2", "--model.scan=true", "--model.remat=true"]
         if strategy == "fsdp"
         else ["--trainer.strategy=jaxlightning.ModelParallelStrategy", "--trainer.strategy.model=2"]
     )  # fmt: skip

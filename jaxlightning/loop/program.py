@@ -198,7 +198,7 @@ class Program:
             tx,
             self.options,
             self.strategy.reduce_grads(),
-            self.strategy.gather_params(),
+            self.strategy.gathering(),
         )
         return self.strategy.compile_train(parts)
 

@@ -7,6 +7,7 @@ import jax
 from jaxlightning.strategies.base import Strategy as Strategy
 from jaxlightning.strategies.mesh import FSDPStrategy as FSDPStrategy
 from jaxlightning.strategies.mesh import ModelParallelStrategy as ModelParallelStrategy
+from jaxlightning.strategies.mesh import fsdp_gathered as fsdp_gathered
 from jaxlightning.strategies.pmap import PmapStrategy as PmapStrategy
 from jaxlightning.strategies.shard_map import ShardMapStrategy as ShardMapStrategy
 

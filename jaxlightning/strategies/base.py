@@ -155,9 +155,10 @@ class Strategy(abc.ABC):
         together with the logged values)."""
         return None
 
-    def gather_params(self) -> Callable[[Any], Any] | None:
-        """How the train step's differentiated function makes each device's
-        parameter shards whole (``None``: it receives them whole)."""
+    def gathering(self) -> Callable[[Callable[..., Any]], Callable[..., Any]] | None:
+        """How the train step's loss of whole parameters becomes a loss of each
+        device's shards that gathers them (``None``: the gradient part receives
+        the parameters whole)."""
         return None
 
     @abc.abstractmethod

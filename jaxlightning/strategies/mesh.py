@@ -25,12 +25,14 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlightning.step import GATHERED, gradient_view
+from jaxlightning.precision import compute_dtype_now
+from jaxlightning.step import AXIS, gradient_view
 from jaxlightning.strategies.shard_map import ShardMapStrategy, per_device, spec
 
 MODEL_AXIS = "model"
@@ -71,6 +73,7 @@ class MeshStrategy(ShardMapStrategy):
         self.model_size = model
         self._state_shardings: Any = None
         self._param_specs: Any = None
+        self._layer_names: Any = None
 
     def setup(self, devices: Sequence[jax.Device]) -> None:
         super().setup(devices)
@@ -118,6 +121,13 @@ class MeshStrategy(ShardMapStrategy):
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec
         )
         self._param_specs = specs.params
+        # Parameters annotated with the data axis, gathered by the model's
+        # `fsdp_gathered` layers: their annotation names, to box them with.
+        self._layer_names = jax.tree.map(
+            lambda leaf: leaf.names if _names_axis(leaf, self.axis_name) else None,
+            abstract_state.params,
+            is_leaf=lambda x: isinstance(x, nn.Partitioned),
+        )
         return self._state_shardings
 
     def plan_variables(self, annotated: Callable[[], Any]) -> Any:
@@ -195,9 +205,9 @@ class MeshStrategy(ShardMapStrategy):
 
         def view_specs(view: Any) -> Any:
             specs = jax.tree.map(lambda _: P(), view)
-            if self.gather_params() is None:
+            if self.gathering() is None:
                 return specs
-            return specs.replace(params=self._param_specs)
+            return specs.replace(params=self._data_specs())
 
         def gradients(view: Any, batch: Any, rows: Any) -> Any:
             mapped = self._per_device(
@@ -229,8 +239,73 @@ class MeshStrategy(ShardMapStrategy):
     def compile_global(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return jax.jit(fn, out_shardings=self._state_shardings, donate_argnums=(0,))
 
+    def _data_specs(self) -> Any:
+        """Each parameter's split over the data axis alone: how it enters and
+        leaves the per-device gradient function (``"model"`` stays automatic)."""
+        axis = self.axis_name
+        return jax.tree.map(
+            lambda s: P(*(n if n == axis else None for n in s)), self._param_specs, is_leaf=_is_spec
+        )
+
+    def _per_layer(self) -> bool:
+        return any(n is not None for n in jax.tree.leaves(self._layer_names))
+
+    def _gathers_at_start(self) -> bool:
+        """Whether the step gathers parameters split over the data axis at its
+        start (FSDP); otherwise only `fsdp_gathered` layers' are split there."""
+        return False
+
     def _grad_specs(self) -> Any:
-        return P()
+        return self._data_specs() if self.gathering() is not None else P()
+
+    def reduce_grads(self) -> Callable[[Any], Any] | None:
+        if self.gathering() is None:
+            return None  # one psum, with the logged values
+        # The split arrays' gradients come out of the gather's transpose
+        # reduce-scattered already; the whole arrays' are summed here.
+        axis = self.axis_name
+        specs = self._data_specs()
+
+        def reduce(grads: Any) -> Any:
+            def one(g: jax.Array, spec: P) -> jax.Array:
+                return g if axis in spec else jax.lax.psum(g, axis)
+
+            return jax.tree.map(one, grads, specs, is_leaf=_is_spec)
+
+        return reduce
+
+    def gathering(self) -> Callable[[Callable[..., Any]], Callable[..., Any]] | None:
+        if not (self._gathers_at_start() or self._per_layer()):
+            return None
+        axis = self.axis_name
+        specs = self._data_specs()
+        layer_names = self._layer_names
+        per_layer = self._per_layer()
+
+        def gather(params: Any) -> Any:
+            def one(p: jax.Array, spec: P, names: tuple[Any, ...] | None) -> Any:
+                if names is not None:  # the model's fsdp_gathered layer gathers it
+                    return nn.Partitioned(p, names=names)
+                if axis not in spec:
+                    return p
+                return gather_leaf(p, axis, list(spec).index(axis))
+
+            return jax.tree.map(one, params, specs, layer_names, is_leaf=_is_spec)
+
+        def wrap(objective: Callable[..., Any]) -> Callable[..., Any]:
+            def of_shards(params: Any) -> Any:
+                return objective(gather(params))
+
+            if per_layer:
+                # The model's layers gather their own parameters; what is saved
+                # for the backward pass is theirs to say (nn.remat). A policy
+                # around the whole loss would override theirs.
+                return of_shards
+            # Gathered at the start: keep everything for the backward pass but
+            # the gathered parameters, gathered again where it needs them.
+            return jax.checkpoint(of_shards, policy=_not_gathered)
+
+        return wrap
 
     def precompile(self, compiled: Callable[..., Any], *example: Any) -> Callable[..., Any]:
         """The train step compiled ahead for the planned layout: the example
@@ -255,6 +330,79 @@ class MeshStrategy(ShardMapStrategy):
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
+
+
+def _names_axis(leaf: Any, axis: str) -> bool:
+    return isinstance(leaf, nn.Partitioned) and axis in leaf.names
+
+
+GATHERED = "jl_gathered_param"
+"""The name (`jax.ad_checkpoint.checkpoint_name`) of a parameter FSDP gathered
+whole for the step: recomputed, not saved, for the backward pass."""
+
+
+def _not_gathered(prim: Any, *_: Any, **params: Any) -> bool:
+    """The `jax.checkpoint` policy of a step that gathers sharded parameters at
+    its start: save every value for the backward pass except those gathers (the
+    ``all_gather`` over `AXIS` and its named result)."""
+    if prim.name == "all_gather":
+        return params.get("axis_name") not in (AXIS, (AXIS,))
+    return not (prim.name == "name" and params.get("name") == GATHERED)
+
+
+def gather_leaf(shard: jax.Array, axis: str, dim: int) -> jax.Array:
+    """One array made whole from its shards along ``dim`` over ``axis``, named
+    `GATHERED` (gathered again for the backward pass, not saved)."""
+    dtype = shard.dtype
+    if dtype == jnp.bfloat16:
+        # XLA's CPU backend aborts compiling a bfloat16 gather's transpose (a
+        # reduce-scatter): move float32, which holds every bfloat16 exactly.
+        shard = shard.astype(jnp.float32)
+    whole = jax.lax.all_gather(shard, axis, axis=dim, tiled=True).astype(dtype)
+    return checkpoint_name(whole, GATHERED)
+
+
+def fsdp_gathered(target: type[nn.Module]) -> Any:
+    """A linen module class whose parameters annotated with the data axis
+    `jl.AXIS` (``nn.with_partitioning(init, (jl.AXIS, None))``) are gathered
+    where it runs, one layer at a time, under `FSDPStrategy`; elsewhere it is
+    ``target`` unchanged.
+
+    Under FSDP such an array is split as annotated and reaches the model as a
+    shard; the wrapped module gathers it on entry, and the gradient leaves as
+    a shard again (the gather's transpose is a reduce-scatter). In a loop over
+    layers (``nn.scan`` over the wrapped block) each iteration gathers only its
+    own layer, which XLA cannot hoist out of the loop: peak memory holds one
+    layer's parameters whole, not the model's.
+
+    Example:
+        ``Blocks = nn.scan(jl.fsdp_gathered(Block), variable_axes={"params": 0},
+        split_rngs={"params": True}, length=layers,
+        metadata_params={nn.PARTITION_NAME: None})``
+    """
+
+    def gather(variables: Any) -> Any:
+        try:
+            jax.lax.axis_size(AXIS)
+        except NameError:  # not in a step (initialisation): nothing is split
+            return variables
+
+        def one(leaf: Any) -> Any:
+            if not _names_axis(leaf, AXIS):
+                return leaf
+            dtype = leaf.value.dtype
+            whole = gather_leaf(leaf.value, AXIS, leaf.names.index(AXIS))
+            # Mixed precision casts here, after the float32 gather (its
+            # transpose then sums float32 gradients, as a gather at the start does).
+            return whole.astype(compute_dtype_now() or dtype)
+
+        return jax.tree.map(one, variables, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+    gathered = nn.map_variables(target, "params", trans_in_fn=gather, init=True)
+    # For the backward pass keep the layer's matmul results, not its gathered
+    # parameters (gathered again when the backward pass reaches the layer) nor
+    # its elementwise intermediates (recomputed from the matmul results).
+    return nn.remat(gathered, policy=jax.checkpoint_policies.dots_saveable)
 
 
 class FSDPStrategy(MeshStrategy):
@@ -304,6 +452,21 @@ class FSDPStrategy(MeshStrategy):
             return P()
         return P(*([None] * dim), self.axis_name)
 
+    def _specs(self, tree: Any, *, variables: bool = False) -> Any:
+        # Arrays the model annotates with the data axis (`fsdp_gathered` layers)
+        # are split as annotated, and gathered by the model where it uses them;
+        # the rest by `leaf_spec`, gathered at the start of the step.
+        ruled = super()._specs(tree, variables=variables)
+        annotated = nn.get_partition_spec(tree)
+        axis = self.axis_name
+
+        def pick(rule: P, names: P) -> P:
+            if axis not in names:
+                return rule
+            return P(*(name if name == axis else None for name in names))
+
+        return jax.tree.map(pick, ruled, annotated, is_leaf=_is_spec)
+
     def _chosen_dim(self, path: str, shape: tuple[int, ...]) -> int | None:
         """``shard_dim``'s dimension for one array, checked: an index of ``shape``
         (negative ones count from the end) that the device count divides, or
@@ -326,37 +489,8 @@ class FSDPStrategy(MeshStrategy):
             )
         return dim
 
-    def reduce_grads(self) -> Callable[[Any], Any]:
-        # The sharded arrays' gradients come out of the gather's transpose
-        # reduce-scattered already; the whole arrays' are summed here.
-        axis = self.axis_name
-        specs = self._param_specs
-
-        def reduce(grads: Any) -> Any:
-            def one(g: jax.Array, spec: P) -> jax.Array:
-                return g if axis in spec else jax.lax.psum(g, axis)
-
-            return jax.tree.map(one, grads, specs, is_leaf=_is_spec)
-
-        return reduce
-
-    def gather_params(self) -> Callable[[Any], Any]:
-        axis = self.axis_name
-        specs = self._param_specs
-
-        def gather(params: Any) -> Any:
-            def one(p: jax.Array, spec: P) -> jax.Array:
-                if axis not in spec:
-                    return p
-                whole = jax.lax.all_gather(p, axis, axis=list(spec).index(axis), tiled=True)
-                return checkpoint_name(whole, GATHERED)
-
-            return jax.tree.map(one, params, specs, is_leaf=_is_spec)
-
-        return gather
-
-    def _grad_specs(self) -> Any:
-        return self._param_specs
+    def _gathers_at_start(self) -> bool:
+        return True
 
 
 class ModelParallelStrategy(MeshStrategy):
