@@ -12,7 +12,9 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 import jaxlightning as jl
 from benchmarks import common, lightning_arm
@@ -237,6 +239,62 @@ def sharded(size: dict[str, int], rounds: int) -> dict[str, Any]:
         "fsdp_time_ratio": _median([f / d for f, d in zip(fsdp, dp, strict=True)]),
         "params_max_diff": common.max_diff(res["shard_map"][0][1], res["fsdp"][0][1]),
     }
+
+
+def sharded_memory(size: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Arm 10, memory: per-device bytes of the compiled train step of
+    `examples/gpt.py` (XLA's buffer assignment, `trainer.train_step_cost()`)
+    under data parallel, FSDP gathering at the start, FSDP per layer (the blocks
+    in ``nn.scan`` with `jl.fsdp_gathered`), with remat, tensor parallel and
+    FSDP x tensor parallel, each after two steps; the parameters against data
+    parallel with the same blocks and data shards."""
+    del rounds  # compiled sizes do not vary between runs
+    from tests.helpers import load_example  # the examples' one loader
+
+    gpt = load_example("gpt")
+    loader_ = DataLoader(
+        torch.from_numpy(gpt.markov_tokens(4 * size["gpt_batch"], 33)), size["gpt_batch"]
+    )
+    cases = {  # name: (strategy, scan, remat, devices)
+        "data_parallel": ("auto", False, False, 8),
+        "data_parallel_scan": ("auto", True, False, 8),
+        "data_parallel_4_scan": ("auto", True, False, 4),
+        "fsdp": ("fsdp", False, False, 8),
+        "fsdp_scan": ("fsdp", True, False, 8),
+        "fsdp_scan_remat": ("fsdp", True, True, 8),
+        "tensor_parallel": ("tp", False, False, 8),
+        "fsdp_x_tp_scan": ("tp", True, False, 8),
+    }
+    out: dict[str, Any] = {}
+    params: dict[str, Any] = {}
+    for name, (strategy, scan, remat, devices) in cases.items():
+        module = gpt.LitGPT(
+            d_model=size["gpt_d_model"], heads=size["gpt_heads"], layers=size["gpt_layers"],
+            scan=scan, remat=remat,
+        )  # fmt: skip
+        if strategy == "tp":
+            strategy = jl.ModelParallelStrategy(data=4, model=2)
+        trainer = jl.Trainer(
+            max_steps=2, strategy=strategy, devices=devices, enable_progress_bar=False,
+            logger=False, enable_checkpointing=False, enable_model_summary=False,
+            limit_val_batches=0,
+        )  # fmt: skip
+        trainer.fit(module, loader_)
+        cost = trainer.train_step_cost()
+        params[name] = jax.tree.map(np.asarray, trainer.state.params)
+        out[name] = {"peak_mib": cost.peak_bytes / 2**20, "state_mib": cost.argument_bytes / 2**20}
+    base = out["data_parallel"]["peak_mib"]
+    for row in out.values():
+        row["vs_data_parallel"] = row["peak_mib"] / base
+    like = {
+        "fsdp": "data_parallel",
+        "fsdp_scan": "data_parallel_scan",
+        "fsdp_scan_remat": "data_parallel_scan",
+        "fsdp_x_tp_scan": "data_parallel_4_scan",
+    }
+    for name, reference in like.items():
+        out[name]["params_max_diff"] = common.max_diff(params[reference], params[name])
+    return out
 
 
 def slow_loader(size: dict[str, int], rounds: int) -> dict[str, Any]:

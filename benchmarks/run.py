@@ -19,8 +19,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-FULL = {"steps": 128, "epochs": 4, "fit_epochs": 10, "short_samples": 20000}
-QUICK = {"steps": 6, "epochs": 2, "fit_epochs": 2, "short_samples": 512}
+FULL = {
+    "steps": 128, "epochs": 4, "fit_epochs": 10, "short_samples": 20000,
+    "gpt_layers": 8, "gpt_d_model": 512, "gpt_heads": 8, "gpt_batch": 64,
+}  # fmt: skip
+QUICK = {
+    "steps": 6, "epochs": 2, "fit_epochs": 2, "short_samples": 512,
+    "gpt_layers": 2, "gpt_d_model": 32, "gpt_heads": 4, "gpt_batch": 16,
+}  # fmt: skip
 
 GROUPS: dict[str, tuple[int, list[str]]] = {
     # group: (devices, arms)
@@ -35,7 +41,7 @@ GROUPS: dict[str, tuple[int, list[str]]] = {
             "step_extras",
         ],
     ),
-    "multi": (8, ["vs_seeds_pmap", "strategies", "sharded"]),
+    "multi": (8, ["vs_seeds_pmap", "strategies", "sharded", "sharded_memory"]),
     "startup": (1, ["startup"]),
     "data": (1, ["data_path"]),
 }
@@ -57,6 +63,9 @@ TARGETS: list[tuple[str, float, bool]] = [
     ("data.data_path.resident_vs_bare_resident", 0.9, True),
     ("data.data_path.spe8_vs_keras_spe8", 1.2, True),
     ("data.data_path.spe8_vs_lightning", 2.5, True),
+    ("multi.sharded_memory.fsdp.vs_data_parallel", 0.40, False),
+    ("multi.sharded_memory.fsdp_scan.vs_data_parallel", 0.40, False),
+    ("multi.sharded_memory.fsdp_scan_remat.vs_data_parallel", 0.25, False),
 ]
 
 

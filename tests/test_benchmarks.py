@@ -28,6 +28,10 @@ def test_benchmark_suite_runs_on_tiny_settings(tmp_path):
     assert multi["strategies"]["devices_8"]["params_max_diff"] < 1e-6
     assert multi["sharded"]["params_max_diff"] < 1e-6  # FSDP: the same numbers
     assert multi["sharded"]["fsdp_time_ratio"] > 0
+    memory = multi["sharded_memory"]
+    for name in ("fsdp", "fsdp_scan", "fsdp_scan_remat", "fsdp_x_tp_scan"):
+        assert memory[name]["params_max_diff"] < 1e-5
+    assert memory["fsdp_scan_remat"]["peak_mib"] < memory["fsdp"]["peak_mib"]
     assert single["logging_cost"]["params_max_diff_every_1"] == 0
     assert single["step_extras"]["params_max_diff"] < 1e-4  # the same computation
     for ratio in (single["vs_bare_jit"]["batch_128"]["ratio"], multi["vs_seeds_pmap"]["ratio"]):
