@@ -15,6 +15,7 @@ import jax
 from jaxlightning import checks
 from jaxlightning.data.arrays import as_loader
 from jaxlightning.data.datamodule import fit_loaders, is_datamodule
+from jaxlightning.lr_finder import LRFinder, lr_find
 from jaxlightning.module import JaxModule
 
 
@@ -90,6 +91,54 @@ class Tuner:
             )
         _set_batch_size(model, datamodule, batch_arg_name, low)
         return low
+
+    def lr_find(
+        self,
+        model: JaxModule,
+        train_dataloaders: Any = None,
+        datamodule: Any = None,
+        *,
+        min_lr: float = 1e-8,
+        max_lr: float = 1.0,
+        num_training: int = 100,
+        mode: str = "exponential",
+        early_stop_threshold: float | None = 4.0,
+        update_attr: bool = True,
+        attr_name: str = "",
+    ) -> LRFinder:
+        """Lightning's learning-rate range test: ``num_training`` steps with the
+        rate growing from ``min_lr`` to ``max_lr``, the loss of each recorded,
+        and the rate where it falls fastest suggested (`LRFinder.suggestion`)
+        and, with ``update_attr``, set on the model.
+
+        The rate is the module's ``lr`` or ``learning_rate`` (attribute or
+        hyperparameter; ``attr_name`` names another), and for the test it is an
+        optax schedule of the step: `configure_optimizers` must hand it to optax
+        as it is (``optax.adam(self.hparams.lr)``), and the train step compiles
+        once. The test trains a throwaway copy of the run (same devices,
+        strategy, precision, clipping, seed); the module's variables and rate
+        are put back. It stops early once the smoothed loss exceeds
+        ``early_stop_threshold`` times its best (``None``: never).
+
+        Returns:
+            An `LRFinder`: ``results`` (rates and smoothed losses),
+            ``suggestion()``, ``plot(suggest=True)`` (with matplotlib).
+        """
+        if datamodule is None and is_datamodule(train_dataloaders):
+            datamodule, train_dataloaders = train_dataloaders, None
+        return lr_find(
+            self.trainer,
+            model,
+            train_dataloaders,
+            datamodule,
+            min_lr=min_lr,
+            max_lr=max_lr,
+            num_training=checks.int_arg("num_training", num_training, minimum=2),
+            mode=mode,
+            early_stop_threshold=early_stop_threshold,
+            update_attr=update_attr,
+            attr_name=attr_name,
+        )
 
 
 def _search(

@@ -1,6 +1,9 @@
 """`Tuner.scale_batch_size`: the largest batch whose compiled train step fits a
 device's memory, found by compiling candidates (never running them)."""
 
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 import jaxlightning as jl
@@ -62,3 +65,76 @@ def test_a_datamodule_gets_the_size_and_configure_optimizers_sees_the_trainer():
         gpt.LitGPT(), datamodule=datamodule, init_val=8, max_trials=3, max_bytes=2**40
     )
     assert found == 32 == datamodule.batch_size  # 8, 16, 32: the trials ran out
+
+
+class _LinearRegression(jl.JaxModule):
+    """y = x·w, squared error per example, plain SGD at ``hparams.lr``."""
+
+    def __init__(self, lr=0.1):
+        super().__init__()
+        self.save_hyperparameters()
+
+    def setup(self, rng, batch):
+        return {"params": {"w": jnp.zeros((batch[0].shape[1],), jnp.float32)}}
+
+    def configure_optimizers(self):
+        return optax.sgd(self.hparams.lr)
+
+    def loss(self, variables, batch, rngs):
+        x, y = batch
+        return (x @ variables["params"]["w"] - y) ** 2
+
+
+def _numpy_range_test(x, y, batch, lrs, beta=0.98):
+    """The smoothed losses of SGD on the same batches, at the given rates."""
+    w, average, smoothed = np.zeros(x.shape[1]), 0.0, []
+    for step, lr in enumerate(lrs):
+        xb, yb = x[step * batch : (step + 1) * batch], y[step * batch : (step + 1) * batch]
+        error = xb.astype(np.float64) @ w - yb
+        average = beta * average + (1 - beta) * np.mean(error**2)
+        smoothed.append(average / (1 - beta ** (step + 1)))
+        w = w - lr * np.mean(2 * error[:, None] * xb, axis=0)
+    return smoothed
+
+
+def test_lr_find_sweeps_a_traced_rate_in_one_compile_and_suggests_the_steepest_fall(compiles):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(30 * 16, 4)).astype(np.float32)
+    y = (x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.1 * rng.normal(size=len(x))).astype(np.float32)
+    model = _LinearRegression(lr=0.123)
+    trainer = quiet_trainer(devices=2)
+    compiles.reset()
+    finder = jl.Tuner(trainer).lr_find(
+        model, loader(x, y, 16), min_lr=1e-4, max_lr=1.0, num_training=30, early_stop_threshold=None
+    )
+    assert compiles.matching("train_step") == 1  # every rate in one program
+    lrs = finder.results["lr"]
+    np.testing.assert_allclose(lrs, np.geomspace(1e-4, 1.0, 30), rtol=1e-6)
+    expected = _numpy_range_test(x, y, 16, lrs)
+    np.testing.assert_allclose(finder.results["loss"], expected, rtol=1e-4)
+    gradient = np.gradient(np.asarray(expected[10:-1]))
+    assert finder.suggestion() == pytest.approx(lrs[10 + int(np.argmin(gradient))])
+    assert model.hparams.lr == finder.suggestion()  # update_attr
+    assert model.variables is None  # the test trained a copy
+
+
+def test_lr_find_stops_when_the_loss_diverges_and_names_a_missing_rate():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(40 * 8, 4)).astype(np.float32)
+    y = (x @ np.ones(4)).astype(np.float32)
+    model = _LinearRegression()
+    finder = jl.Tuner(quiet_trainer(devices=1)).lr_find(
+        model, loader(x, y, 8), min_lr=1e-3, max_lr=1e3, num_training=40, update_attr=False
+    )
+    assert 2 < len(finder.results["lr"]) < 40  # SGD diverges well before 1e3
+    assert model.hparams.lr == 0.1
+
+    class NoRate(_LinearRegression):
+        def __init__(self):
+            jl.JaxModule.__init__(self)
+
+        def configure_optimizers(self):
+            return optax.sgd(0.1)
+
+    with pytest.raises(AttributeError, match="no learning rate on NoRate: looked for 'lr' and"):
+        jl.Tuner(quiet_trainer()).lr_find(NoRate(), loader(x, y, 8))
