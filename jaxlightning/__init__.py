@@ -20,6 +20,7 @@ from jaxlightning.loggers import Logger as Logger
 from jaxlightning.loggers import TensorBoardLogger as TensorBoardLogger
 from jaxlightning.module import AttributeDict as AttributeDict
 from jaxlightning.module import JaxModule as JaxModule
+from jaxlightning.plateau import ReduceLROnPlateau as ReduceLROnPlateau
 from jaxlightning.rank_zero import rank_zero_info as rank_zero_info
 from jaxlightning.rank_zero import rank_zero_only as rank_zero_only
 from jaxlightning.rank_zero import rank_zero_warn as rank_zero_warn

@@ -17,6 +17,7 @@ import optax
 
 from jaxlightning.loss_scale import with_loss_scale
 from jaxlightning.optimizers import ALL, Groups, by_group
+from jaxlightning.plateau import ReduceLROnPlateau, plateau_scale
 from jaxlightning.step import StepOptions
 from jaxlightning.strategies.shard_map import ShardMapStrategy
 
@@ -96,8 +97,9 @@ def step_options(
     )
 
 
-def optimizer(module: Any, *, manual: bool = False) -> Any:
-    """What ``module.configure_optimizers()`` returns, as the train step uses it.
+def optimizer(module: Any, *, manual: bool = False) -> tuple[Any, Any]:
+    """What ``module.configure_optimizers()`` returns, as the train step uses it,
+    and the plateau scheduler it asks for (`lightning_config`).
 
     One optax transformation, or a dict of them by top-level params entry
     (`optimizers.by_group` for `JaxModule.loss`; `optimizers.Groups` for
@@ -105,6 +107,54 @@ def optimizer(module: Any, *, manual: bool = False) -> Any:
     """
     with module._in_hook("configure_optimizers"):
         config = module.configure_optimizers()
+    config, plateau = lightning_config(config, manual)
+    tx = _optimizer(config, manual)
+    if plateau is not None:
+        tx = optax.chain(tx, plateau_scale())
+    return tx, plateau
+
+
+def lightning_config(config: Any, manual: bool) -> tuple[Any, Any]:
+    """``(optimizer, (scheduler, monitor) or None)`` from Lightning's dict form
+    ``{"optimizer": tx, "lr_scheduler": {"scheduler": ..., "monitor": ...}}``
+    (anything else is returned as it is, with ``None``)."""
+    if not (isinstance(config, Mapping) and "optimizer" in config):
+        return config, None
+    unknown = sorted(set(config) - {"optimizer", "lr_scheduler", "monitor"})
+    if unknown:
+        raise ValueError(
+            f"configure_optimizers() returned a dict with 'optimizer' and {unknown}; Lightning's "
+            "form takes 'optimizer', 'lr_scheduler' and 'monitor'"
+        )
+    scheduler = config.get("lr_scheduler")
+    if scheduler is None:
+        return config["optimizer"], None
+    settings = dict(scheduler) if isinstance(scheduler, Mapping) else {"scheduler": scheduler}
+    monitor = settings.get("monitor", config.get("monitor"))
+    if not isinstance(settings.get("scheduler"), ReduceLROnPlateau):
+        raise TypeError(
+            f"lr_scheduler {type(settings.get('scheduler')).__name__} is not supported: give "
+            "the optimizer an optax schedule (optax.adam(optax.cosine_decay_schedule(...))); "
+            "the dict form takes a jl.ReduceLROnPlateau, driven by a monitored metric"
+        )
+    if manual:
+        raise ValueError(
+            "an lr_scheduler with manual optimization (training_step) is not supported"
+        )
+    if not isinstance(monitor, str):
+        raise ValueError(
+            "jl.ReduceLROnPlateau needs a metric to monitor: {'scheduler': ..., 'monitor': "
+            "'val_loss'} (a name in trainer.callback_metrics)"
+        )
+    if settings.get("interval", "epoch") != "epoch" or settings.get("frequency", 1) != 1:
+        raise ValueError(
+            "jl.ReduceLROnPlateau is stepped after every training epoch; 'interval' other than "
+            "'epoch' and 'frequency' other than 1 are not supported"
+        )
+    return config["optimizer"], (settings["scheduler"], monitor)
+
+
+def _optimizer(config: Any, manual: bool) -> Any:
     if isinstance(config, Mapping) and config:
         for key, tx in config.items():
             if not isinstance(_transformation(tx), optax.GradientTransformation):
@@ -324,17 +374,21 @@ def fit_module(module: Any, options: StepOptions) -> bool:
     return manual
 
 
-def fit_optimizer(module: Any, manual: bool, options: StepOptions, callbacks: list[Any]) -> Any:
+def fit_optimizer(
+    module: Any, manual: bool, options: StepOptions, callbacks: list[Any]
+) -> tuple[Any, Any]:
     """The optimizer the train step uses: ``configure_optimizers``', behind the
     Trainer's gradient clipping, transformed by callbacks that live in the
-    optimizer (EMA)."""
+    optimizer (EMA); and the plateau scheduler it asked for, with the name it
+    monitors (or ``None``)."""
     if options.loss_scaled and (manual or options.accumulate_grad_batches > 1):
         what = "manual optimization" if manual else "accumulate_grad_batches > 1"
         raise ValueError(
             f"precision='16-mixed' with {what} is not supported yet (its loss scaling is "
             "built into the automatic one-batch update); use 'bf16-mixed'"
         )
-    tx = options.with_clipping(optimizer(module, manual=manual))
+    tx, plateau = optimizer(module, manual=manual)
+    tx = options.with_clipping(tx)
     for callback in callbacks:
         transform = getattr(callback, "transform_optimizer", None)
         if transform is not None:
@@ -344,4 +398,4 @@ def fit_optimizer(module: Any, manual: bool, options: StepOptions, callbacks: li
                     "optimization (training_step) does not support"
                 )
             tx = transform(tx)
-    return with_loss_scale(tx) if options.loss_scaled else tx
+    return (with_loss_scale(tx) if options.loss_scaled else tx), plateau

@@ -39,6 +39,7 @@ from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.reporter import Reporter, as_loggers
 from jaxlightning.loop.stop import StopPolicy
 from jaxlightning.module import JaxModule
+from jaxlightning.plateau import PlateauStepper
 from jaxlightning.precision import resolve as precision_setting
 from jaxlightning.schedule import Schedule, parse_max_time
 from jaxlightning.seed import default_seed
@@ -526,7 +527,10 @@ class Trainer:
                 UserWarning,
                 stacklevel=3,  # the user's fit line
             )
-        tx = checks.fit_optimizer(module, manual, self._program.options, self.callbacks)
+        tx, plateau = checks.fit_optimizer(module, manual, self._program.options, self.callbacks)
+        self.callbacks[:] = [c for c in self.callbacks if not isinstance(c, PlateauStepper)]
+        if plateau is not None:  # configure_optimizers' ReduceLROnPlateau, for this fit
+            self.callbacks.append(PlateauStepper(*plateau, self._program.set_plateau_scale))
         if self.max_epochs != 1:
             checks.reiterable(train, "train_dataloaders", passes="once per epoch")
         for loader in as_list(val):

@@ -80,7 +80,7 @@ class Tuner:
             trainer._epoch_batches = (trainer._pipeline.train_batches_per_epoch(train),)
             example = trainer._pipeline.example_batch(train)
             manual = checks.fit_module(model, program.options)
-            tx = checks.fit_optimizer(model, manual, program.options, trainer.callbacks)
+            tx, _ = checks.fit_optimizer(model, manual, program.options, trainer.callbacks)
             low = _search(
                 lambda rows: program.cost_at(model, tx, example, rows),
                 trainer.strategy,

@@ -38,6 +38,7 @@ from jaxlightning.loop.multistep import host_steps, resident_batches
 from jaxlightning.loop.progress import Progress
 from jaxlightning.module import JaxModule
 from jaxlightning.nnx_support import NnxGraph
+from jaxlightning.plateau import PlateauScaleState
 from jaxlightning.precision import for_storage
 from jaxlightning.state import TrainState, create_train_state
 from jaxlightning.step import (
@@ -278,6 +279,24 @@ class Program:
         """Dispatches one train step (waits for an older one past the bound)."""
         self._state, self._acc = self._train_step(self._state, self._acc, batch.data, batch.mask)
         self.throttle(self._acc)
+
+    def set_plateau_scale(self, value: float) -> None:
+        """Writes ``value`` as the train state's plateau scale (`plateau_scale`'s
+        state): the next step multiplies its update by it, no recompile."""
+
+        def put(leaf: jax.Array) -> jax.Array:
+            host = np.full(leaf.shape, value, leaf.dtype)
+            return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda i: host[i])
+
+        def replace(node: Any) -> Any:
+            return (
+                PlateauScaleState(put(node.scale)) if isinstance(node, PlateauScaleState) else node
+            )
+
+        opt_state = jax.tree.map(
+            replace, self._state.opt_state, is_leaf=lambda n: isinstance(n, PlateauScaleState)
+        )
+        self._state = self._state.replace(opt_state=opt_state)
 
     def train_cost(self) -> StepCost | None:
         """XLA's count of one train step on one device (waits for its compile);
