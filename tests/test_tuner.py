@@ -13,7 +13,7 @@ from tests.helpers import LitMLP, digits, load_example, loader, quiet_trainer
 
 def _peak(trainer, module, train, rows):
     """XLA's bytes of the step at ``rows`` (the same analysis the tuner reads)."""
-    tx = checks.fit_optimizer(module, False, trainer._program.options, trainer.callbacks)
+    tx, _ = checks.fit_optimizer(module, False, trainer._program.options, trainer.callbacks)
     example = trainer._pipeline.example_batch(train)
     return trainer._program.cost_at(module, tx, example, rows).peak_bytes
 
