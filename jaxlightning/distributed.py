@@ -170,6 +170,27 @@ def agree_max(value: int, *, at_sync: bool = True) -> int:
     return max(gather_ints(value)) if at_sync else 0
 
 
+def preemption_sync() -> bool:
+    """Whether JAX's preemption service agrees on a stop step in this run: a
+    multi-process job whose ``jax.distributed`` started it (JAX's default). It
+    takes SIGTERM itself and needs no collective on the step."""
+    return (
+        jax.process_count() > 1
+        and jax.distributed.is_initialized()
+        and bool(jax.config.jax_enable_preemption_service)
+    )
+
+
+def reached_preemption_point(step: int) -> bool:
+    """Whether every process should stop and save at ``step`` (a number every
+    process gives each training step alike, increasing) after a preemption
+    notice (SIGTERM) reached any of them: the step after the furthest any
+    process had reached, the same on every process."""
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point(step)
+
+
 def barrier() -> None:
     """Waits until every process reaches this point (a no-op when alone)."""
     broadcast(np.int32(0))

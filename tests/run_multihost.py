@@ -2,7 +2,7 @@
 
     python -m jaxlightning.launch --nprocs 2 --devices-per-proc 4 \\
         tests/run_multihost.py --root DIR --out result.npz [--sleep-per-step S] [--strategy fsdp]
-        [--nnx] [--steps-per-execution K]
+        [--nnx] [--steps-per-execution K] [--log-every N]
 
 Global batch 64 (each process's DataLoader holds its share: 64 / processes),
 one epoch over 200 digits, validation on 45 (not a multiple of 8 devices).
@@ -26,6 +26,7 @@ def main(argv=None) -> None:
     p.add_argument("--strategy", default="auto")
     p.add_argument("--nnx", action="store_true", help="the same MLP written in Flax NNX")
     p.add_argument("--steps-per-execution", type=int, default=1)
+    p.add_argument("--log-every", type=int, default=2)
     args = p.parse_args(argv)
 
     import jax
@@ -44,7 +45,7 @@ def main(argv=None) -> None:
     trainer = jl.Trainer(
         max_epochs=args.epochs,
         default_root_dir=args.root,
-        log_every_n_steps=2,
+        log_every_n_steps=args.log_every,
         enable_progress_bar=False,
         callbacks=[Slow()],
         strategy=args.strategy,

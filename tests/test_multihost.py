@@ -186,6 +186,53 @@ def test_killing_one_process_stops_the_other_and_fails(tmp_path):
         os.kill(pids[0], 0)
 
 
+def test_sigterm_to_one_process_saves_every_process_at_the_next_step(tmp_path):
+    """JAX's preemption service spreads the notice: every process stops at the
+    same step right after the signal, not at the next logging interval (50
+    steps away), and the checkpoint resumes in one process as an uninterrupted
+    run trains."""
+    proc = launch(
+        "--root", tmp_path, "--epochs", "100", "--sleep-per-step", "0.3", "--log-every", "50",
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    pids, lines, signalled_at = {}, [], None
+    for line in proc.stdout:
+        lines.append(line)
+        if m := re.match(r"\[launch\] rank (\d) pid (\d+)", line):
+            pids[int(m.group(1))] = int(m.group(2))
+        if m := re.match(r"\[rank 1\] step (\d+)", line):
+            signalled_at = int(m.group(1))
+            if signalled_at >= 5:  # mid-epoch (4 steps an epoch)
+                os.kill(pids[1], signal.SIGTERM)  # one process only
+                break
+    out, _ = proc.communicate(timeout=120)
+    out = "".join(lines) + out
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    saved = re.search(r"\[rank 0\] Received SIGTERM at step (\d+): saved", out)
+    assert saved, out[-3000:]
+    step = int(saved.group(1))
+    assert signalled_at < step <= signalled_at + 3  # the old code: step 50
+    steps_seen = {int(n) for n in re.findall(r"\[rank 1\] step (\d+)", out)}
+    assert max(steps_seen) == step  # rank 1 stopped there too
+
+    ckpt = complete_checkpoints(tmp_path / "lightning_logs/version_0/checkpoints")[-1]
+    assert Path(ckpt).name == str(step)
+    x, y = digits(200)
+
+    def fit(ckpt_path=None):
+        trainer = jl.Trainer(
+            max_epochs=4, logger=False, enable_progress_bar=False, enable_checkpointing=False
+        )
+        trainer.fit(
+            LitMLP(lr=1e-2, init_variables=init_mlp()), loader(x, y, 64), ckpt_path=ckpt_path
+        )
+        return trainer
+
+    resumed, straight = fit(ckpt), fit()
+    assert resumed.global_step == straight.global_step == 16
+    assert max_abs_diff(resumed.state.params, straight.state.params) < 1e-5
+
+
 def _alone(code, **env):
     """Runs ``code`` in a fresh process set up as rank 1 of a 2-process job."""
     from jaxlightning.launch import free_port

@@ -20,6 +20,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.signals: tuple[int, ...] = self.SIGNALS
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -30,13 +31,14 @@ class StopRequest:
     def __enter__(self) -> StopRequest:
         self.signum = None
         if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
+            for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # None: the previous handler was not Python's; the default then.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         self._previous.clear()
 
     @property

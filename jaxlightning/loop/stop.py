@@ -3,12 +3,14 @@
 Limits (``max_steps``, ``max_epochs``), ``max_time``, ``trainer.should_stop``
 (held back by ``min_epochs``/``min_steps``) and SIGTERM/SIGINT. In a
 multi-process run every process must stop at the same step, so host-side
-conditions (a clock, a signal one process received) are agreed through
-`jaxlightning.distributed` at logging intervals.
+conditions (a clock, SIGINT on one process) are agreed through
+`jaxlightning.distributed` at logging intervals; SIGTERM (a preemption notice)
+through JAX's preemption service at the next step.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,6 +39,7 @@ class StopPolicy:
         self.time_up = False
         self.signum = 0
         self._request = StopRequest()
+        self._steps = 0  # train steps polled in this fit: the preemption step ids
         self._started = 0.0
         self._held_back = False  # told that min_epochs/min_steps hold a stop back
 
@@ -44,10 +47,17 @@ class StopPolicy:
         """A new fit: nothing requested yet."""
         self.should_stop = self.time_up = self._held_back = False
         self.signum = 0
+        self._steps = 0
 
     @contextmanager
     def watching_signals(self) -> Iterator[None]:
-        """While active, SIGTERM/SIGINT request a stop at the next step instead of killing."""
+        """While active, SIGTERM/SIGINT request a stop at the next step instead of
+        killing. Where JAX's preemption service runs (several processes) SIGTERM
+        is left to it: every process learns of it and stops at the same step,
+        the next one after the signal (`poll_signal`)."""
+        self._request.signals = (
+            (signal.SIGINT,) if distributed.preemption_sync() else StopRequest.SIGNALS
+        )
         with self._request:
             yield
 
@@ -59,8 +69,14 @@ class StopPolicy:
         return self.schedule.step_limit_reached(self.progress.global_step)
 
     def poll_signal(self, at_sync: bool) -> None:
-        """Takes in a signal received since the last step (alone: at once; across
-        processes: the largest, at sync points)."""
+        """Takes in a signal received since the last step, once per train step
+        (alone: at once; across processes: SIGTERM at the preemption service's
+        agreed step, without a collective, and SIGINT, the largest, at sync
+        points)."""
+        self._steps += 1
+        if distributed.preemption_sync() and distributed.reached_preemption_point(self._steps):
+            self.signum = signal.SIGTERM
+            return
         self.signum = distributed.agree_max(self._request.signum or 0, at_sync=at_sync)
 
     def poll_time(self, at_sync: bool) -> None:
