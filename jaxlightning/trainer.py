@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from jaxlightning import checks, compile_cache, distributed
+from jaxlightning import checks, compile_cache, distributed, slurm
 from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar, with_defaults
 from jaxlightning.checkpoint import read_meta
 from jaxlightning.cost import StepCost
@@ -465,6 +465,13 @@ class Trainer:
             if datamodule is not None and hasattr(datamodule, "teardown"):
                 datamodule.teardown(stage)
 
+    def _last_exists(self) -> bool:
+        try:
+            self._resolve_ckpt_path("last")
+        except FileNotFoundError:
+            return False
+        return True
+
     def _resolve_ckpt_path(self, ckpt_path: str | os.PathLike[str]) -> str:
         return resume.resolve_ckpt_path(
             ckpt_path, self.checkpoint_callback, self.loggers, self.default_root_dir
@@ -537,6 +544,8 @@ class Trainer:
             checks.reiterable(
                 loader, "val_dataloaders", passes="in the sanity check and at every validation"
             )
+        if ckpt_path is None and slurm.restarted():  # a requeued job goes on
+            ckpt_path = "last" if self._last_exists() else None
         path = self._resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
         meta = read_meta(path) if path else None
         if meta is not None:

@@ -116,6 +116,40 @@ def test_sigterm_mid_epoch_saves_and_resume_completes_the_run(tmp_path, referenc
     assert_bitwise_equal(arrays(tmp_path / "final.npz"), reference[0])
 
 
+def test_slurm_signal_saves_requeues_and_the_restarted_job_resumes(tmp_path, reference):
+    """Under a SLURM batch job (faked: its variables, and a stand-in scontrol on
+    the PATH that records its arguments) SIGUSR1 saves, requeues the job and
+    exits; the requeued job's fit, without ckpt_path, resumes from "last"."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(SLURM_JOB_ID="4242", SLURM_JOB_NAME="train", PATH=f"{bin_dir}:{env['PATH']}")
+    proc = train(
+        tmp_path, 22, "--slow-after", 9, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.strip() == "READY":
+            break
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGUSR1, out
+    assert "Received SIGUSR1 at step" in out and "SLURM job 4242 requeued" in out
+    assert calls.read_text().split() == ["requeue", "4242"]
+
+    again = train(
+        tmp_path, 22, "--out", tmp_path / "final.npz", stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, env={**env, "SLURM_RESTART_COUNT": "1"},
+    )  # fmt: skip
+    out, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, out
+    assert_bitwise_equal(arrays(tmp_path / "final.npz"), reference[0])
+
+
 def test_sigkill_during_save_leaves_previous_checkpoint_restorable(tmp_path, reference):
     result = train(
         tmp_path, 22, "--every-n-train-steps", 5, "--kill-during-save-at", 12, check=False

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from jaxlightning import distributed
+from jaxlightning import distributed, slurm
 from jaxlightning.callbacks import ModelCheckpoint
 from jaxlightning.data import Batches, Pipeline
 from jaxlightning.loop.eval_loop import EvalLoop
@@ -350,4 +350,7 @@ class FitLoop:
             )
         else:
             print(f"Received {name} at step {step}: no ModelCheckpoint, nothing saved.", flush=True)
+        job = slurm.job_id()
+        if self.stop.requeue and job is not None and distributed.is_rank_zero():
+            print(slurm.requeue(job), flush=True)
         raise SystemExit(128 + signum)

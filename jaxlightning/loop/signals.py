@@ -1,7 +1,9 @@
-"""Turns SIGTERM and SIGINT into a request to stop at the next step boundary."""
+"""Turns SIGTERM and SIGINT (and SLURM's requeue signal) into a request to stop
+at the next step boundary."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from types import FrameType
@@ -21,17 +23,26 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.signals: tuple[int, ...] = self.SIGNALS
+        self.requeue_signal: int | None = None  # SLURM's: stop, save, then requeue
+        self.requeue = False
+        self.forward_to_sigterm = False  # let JAX's preemption service spread it
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if signum == self.requeue_signal:
+            self.requeue = True
+            if self.forward_to_sigterm:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
         self.signum = signum
 
     def __enter__(self) -> StopRequest:
-        self.signum = None
+        self.signum, self.requeue = None, False
         if threading.current_thread() is threading.main_thread():
-            for sig in self.signals:
+            watched = self.signals + ((self.requeue_signal,) if self.requeue_signal else ())
+            for sig in watched:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

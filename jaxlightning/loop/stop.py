@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from jaxlightning import distributed
+from jaxlightning import distributed, slurm
 from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.signals import StopRequest
 from jaxlightning.rank_zero import rank_zero_info
@@ -55,11 +55,17 @@ class StopPolicy:
         killing. Where JAX's preemption service runs (several processes) SIGTERM
         is left to it: every process learns of it and stops at the same step,
         the next one after the signal (`poll_signal`)."""
-        self._request.signals = (
-            (signal.SIGINT,) if distributed.preemption_sync() else StopRequest.SIGNALS
-        )
+        preemption = distributed.preemption_sync()
+        self._request.signals = (signal.SIGINT,) if preemption else StopRequest.SIGNALS
+        self._request.requeue_signal = slurm.REQUEUE_SIGNAL if slurm.job_id() else None
+        self._request.forward_to_sigterm = preemption
         with self._request:
             yield
+
+    @property
+    def requeue(self) -> bool:
+        """SLURM's requeue signal reached this process: requeue after saving."""
+        return self._request.requeue
 
     def start_clock(self) -> None:
         """Training begins: ``max_time`` counts from here."""
