@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import optax
 
+from jaxlightning import checks
 from jaxlightning.callbacks.base import Callback
 
 
@@ -139,6 +140,7 @@ def lr_find(
 
     if mode not in ("exponential", "linear"):
         raise ValueError(f'mode must be "exponential" or "linear", got {mode!r}')
+    checks.int_arg("num_training", num_training, minimum=2)
     if not 0 < min_lr < max_lr:
         raise ValueError(f"lr_find needs 0 < min_lr < max_lr, got {min_lr} and {max_lr}")
     owner, name = _rate_owner(model, attr_name)

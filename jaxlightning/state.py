@@ -86,6 +86,11 @@ def optimizer_update(
     return optax.with_extra_args_support(tx).update(grads, opt_state, params, value=value)
 
 
+def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``ok``, else ``old``, leaf by leaf (bitwise one or the other)."""
+    return jax.tree.map(lambda n, o: jax.numpy.where(ok, n, o), new, old)
+
+
 @flax.struct.dataclass
 class AccumulatingState(TrainState):
     """A `TrainState` that sums gradients over micro-batches between updates
@@ -119,8 +124,7 @@ class AccumulatingState(TrainState):
         grads = jax.tree.map(lambda g: g / self.rows, self.grad_sum)
         updated = self.apply_gradients(tx, grads)
         if skip_empty:
-            kept = self.rows > 0
-            updated = jax.tree.map(lambda n, o: jax.numpy.where(kept, n, o), updated, self)
+            updated = keep_if(self.rows > 0, updated, self)
         return updated.replace(
             grad_sum=jax.tree.map(jax.numpy.zeros_like, self.grad_sum),
             rows=jax.numpy.zeros_like(self.rows),

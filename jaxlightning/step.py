@@ -43,7 +43,7 @@ from jaxlightning.metrics import (
 from jaxlightning.module import JaxModule
 from jaxlightning.optimizers import Groups, Optimizers
 from jaxlightning.precision import computing, for_compute
-from jaxlightning.state import AccumulatingState, TrainState
+from jaxlightning.state import AccumulatingState, TrainState, keep_if
 
 AXIS = "batch"
 """The device axis the step functions run over (exported as ``jl.AXIS``): name it in
@@ -178,11 +178,6 @@ def all_finite(tree: Any) -> jax.Array:
     """Whether every element of every floating array of ``tree`` is finite."""
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves] or [jnp.bool_(True)]))
-
-
-def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where ``ok``, else ``old``, leaf by leaf (bitwise one or the other)."""
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 def _merge_checked(

@@ -97,19 +97,12 @@ class Tuner:
         model: JaxModule,
         train_dataloaders: Any = None,
         datamodule: Any = None,
-        *,
-        min_lr: float = 1e-8,
-        max_lr: float = 1.0,
-        num_training: int = 100,
-        mode: str = "exponential",
-        early_stop_threshold: float | None = 4.0,
-        update_attr: bool = True,
-        attr_name: str = "",
+        **settings: Any,
     ) -> LRFinder:
-        """Lightning's learning-rate range test: ``num_training`` steps with the
-        rate growing from ``min_lr`` to ``max_lr``, the loss of each recorded,
-        and the rate where it falls fastest suggested (`LRFinder.suggestion`)
-        and, with ``update_attr``, set on the model.
+        """Lightning's learning-rate range test: steps with the rate growing from
+        ``min_lr`` to ``max_lr``, the loss of each recorded, and the rate where
+        it falls fastest suggested (`LRFinder.suggestion`) and, with
+        ``update_attr``, set on the model.
 
         The rate is the module's ``lr`` or ``learning_rate`` (attribute or
         hyperparameter; ``attr_name`` names another), and for the test it is an
@@ -117,8 +110,18 @@ class Tuner:
         as it is (``optax.adam(self.hparams.lr)``), and the train step compiles
         once. The test trains a throwaway copy of the run (same devices,
         strategy, precision, clipping, seed); the module's variables and rate
-        are put back. It stops early once the smoothed loss exceeds
-        ``early_stop_threshold`` times its best (``None``: never).
+        are put back.
+
+        Args:
+            model: the module, as for `Trainer.fit`.
+            train_dataloaders: the training loader (or a `DataModule`).
+            datamodule: a `DataModule` giving the training loader.
+            **settings: Lightning's ``min_lr`` (1e-8), ``max_lr`` (1.0),
+                ``num_training`` (100), ``mode`` (``"exponential"`` or
+                ``"linear"``), ``early_stop_threshold`` (4.0: stop once the
+                smoothed loss exceeds 4 times its best; ``None``: never),
+                ``update_attr`` (True), ``attr_name`` (``""``), as
+                `jaxlightning.lr_finder.lr_find` takes them.
 
         Returns:
             An `LRFinder`: ``results`` (rates and smoothed losses),
@@ -126,19 +129,7 @@ class Tuner:
         """
         if datamodule is None and is_datamodule(train_dataloaders):
             datamodule, train_dataloaders = train_dataloaders, None
-        return lr_find(
-            self.trainer,
-            model,
-            train_dataloaders,
-            datamodule,
-            min_lr=min_lr,
-            max_lr=max_lr,
-            num_training=checks.int_arg("num_training", num_training, minimum=2),
-            mode=mode,
-            early_stop_threshold=early_stop_threshold,
-            update_attr=update_attr,
-            attr_name=attr_name,
-        )
+        return lr_find(self.trainer, model, train_dataloaders, datamodule, **settings)
 
 
 def _search(

@@ -40,6 +40,7 @@ class StopPolicy:
         self.signum = 0
         self._request = StopRequest()
         self._steps = 0  # train steps polled in this fit: the preemption step ids
+        self._preemption = False  # JAX's preemption service takes SIGTERM (this fit)
         self._started = 0.0
         self._held_back = False  # told that min_epochs/min_steps hold a stop back
 
@@ -55,7 +56,7 @@ class StopPolicy:
         killing. Where JAX's preemption service runs (several processes) SIGTERM
         is left to it: every process learns of it and stops at the same step,
         the next one after the signal (`poll_signal`)."""
-        preemption = distributed.preemption_sync()
+        self._preemption = preemption = distributed.preemption_sync()
         self._request.signals = (signal.SIGINT,) if preemption else StopRequest.SIGNALS
         self._request.requeue_signal = slurm.REQUEUE_SIGNAL if slurm.job_id() else None
         self._request.forward_to_sigterm = preemption
@@ -80,7 +81,7 @@ class StopPolicy:
         agreed step, without a collective, and SIGINT, the largest, at sync
         points)."""
         self._steps += 1
-        if distributed.preemption_sync() and distributed.reached_preemption_point(self._steps):
+        if self._preemption and distributed.reached_preemption_point(self._steps):
             self.signum = signal.SIGTERM
             return
         self.signum = distributed.agree_max(self._request.signum or 0, at_sync=at_sync)
