@@ -1,5 +1,6 @@
 """Checkpoints never lose the last good state: full disks, read-only folders,
-pruning, NaN scores, older resumes, "last", corrupted bytes."""
+pruning, NaN scores, older resumes, "last", corrupted bytes; logs on a full
+disk never stop the run."""
 
 import os
 import re
@@ -77,6 +78,45 @@ def test_full_disk_and_read_only_folder_fail_clearly_and_keep_the_last_good_chec
     folder = kept / "lightning_logs/version_0/checkpoints"
     assert [Path(p).name for p in complete_checkpoints(folder)] == [good.group(2)]
     assert restore(folder / good.group(2))["state"]["step"] == int(good.group(2))
+
+
+_TENSORBOARD_ON_A_FULL_DISK = """
+import warnings
+from jaxlightning.loggers import TensorBoardLogger
+
+logger = TensorBoardLogger({root!r})
+logger.log_metrics({{"a": 0.0}}, step=0)  # the event file exists, its first flush done
+try:
+    with open({root!r} + "/filler", "wb", buffering=0) as f:
+        while True:
+            f.write(bytes(4096))
+except OSError:
+    pass
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for step in range(1, 3000):  # far more than tensorboardX's buffer and queue hold
+        logger.log_metrics({{"a": float(step), "b": 1.0}}, step=step)
+    logger.finalize()
+print("WARNED", *(str(w.message) for w in caught), sep="\\n")
+"""
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare -m for real mounts")
+def test_tensorboard_on_a_full_disk_warns_once_and_never_blocks(tmp_path):
+    # tensorboardX's writer thread once died on ENOSPC and the next events
+    # waited for ever on its full queue: a fit hung instead of going on.
+    root = tmp_path / "full"
+    root.mkdir()
+    script = _TENSORBOARD_ON_A_FULL_DISK.format(root=str(root))
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=1m tmpfs {root} && "$0" -c "$1"',
+         sys.executable, script],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    warned = done.stdout.split("WARNED\n", 1)[1].strip().splitlines()
+    assert len(warned) == 1, warned
+    assert f"writing events to {root}" in warned[0] and "No space left" in warned[0]
 
 
 class Scores(jl.Callback):

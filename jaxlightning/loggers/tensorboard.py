@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tensorboardX import SummaryWriter
@@ -23,6 +25,39 @@ def _hparam_value(v: Any) -> bool | int | float | str:
     return v if isinstance(v, (bool, int, float, str)) else str(v)
 
 
+class _WriteFailure:
+    """Keeps the first error of an event file's writes instead of raising it.
+
+    tensorboardX writes events on a thread of its own, fed by a bounded queue. A
+    write that fails there (a full disk) ends that thread, and the next events
+    then wait for ever on the full queue: the training hangs. Guarding the
+    record writer the thread calls keeps the thread alive; the logger reports
+    the error once and drops later events.
+    """
+
+    def __init__(self, writer: SummaryWriter) -> None:
+        self.error: OSError | None = None
+        self.reported = False
+        events = getattr(writer.file_writer.event_writer, "_ev_writer", None)
+        if events is None:  # another tensorboardX layout: left as it is
+            return
+        events.write_event = self._guard(events.write_event)
+        events.flush = self._guard(events.flush)
+
+    def _guard(self, write: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(write)
+        def guarded(*args: Any) -> Any:
+            if self.error is not None:
+                return None
+            try:
+                return write(*args)
+            except OSError as exc:
+                self.error = exc
+                return None
+
+        return guarded
+
+
 class TensorBoardLogger(VersionedLogger):
     """Writes scalars and hparams to ``{save_dir}/{name}/version_{N}/``.
 
@@ -37,13 +72,24 @@ class TensorBoardLogger(VersionedLogger):
         name: the experiment folder under it.
         version: a fixed version instead of the next free one: a number (the
             folder ``version_{N}``) or a name (the folder itself, as Lightning).
+        **writer_kwargs: passed to tensorboardX's ``SummaryWriter`` (as
+            Lightning's logger does), e.g. ``flush_secs=10``, ``max_queue=100``.
+
+    A write that fails (a full disk) warns once, naming the folder and the
+    error, and later events are dropped: the training goes on.
     """
 
     def __init__(
-        self, save_dir: str, name: str = "lightning_logs", version: int | str | None = None
+        self,
+        save_dir: str,
+        name: str = "lightning_logs",
+        version: int | str | None = None,
+        **writer_kwargs: Any,
     ) -> None:
         super().__init__(save_dir, name, version)
+        self._writer_kwargs = writer_kwargs
         self._writer: SummaryWriter | None = None
+        self._failure: _WriteFailure | None = None
         self._hparams: dict[str, Any] | None = None
         self._summarised: frozenset[str] = frozenset()
         self._metric_names: set[str] = set()
@@ -60,8 +106,25 @@ class TensorBoardLogger(VersionedLogger):
         if self._writer is None:
             os.makedirs(self.log_dir, exist_ok=True)
             suffix = f".{os.getpid()}.{next(_WRITER_COUNT):05d}"
-            self._writer = SummaryWriter(logdir=self.log_dir, filename_suffix=suffix)
+            self._writer = SummaryWriter(
+                logdir=self.log_dir, filename_suffix=suffix, **self._writer_kwargs
+            )
+            self._failure = _WriteFailure(self._writer)
         return self._writer
+
+    def _failed(self) -> bool:
+        """Whether the event file can no longer be written (warned once)."""
+        failure = self._failure
+        if failure is None or failure.error is None:
+            return False
+        if not failure.reported:
+            failure.reported = True
+            warnings.warn(
+                f"TensorBoardLogger: writing events to {self.log_dir} failed "
+                f"({failure.error}); later events of this run are dropped",
+                stacklevel=3,
+            )
+        return True
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         # SummaryWriter.add_hparams would write into a new sub-run; write the
@@ -78,7 +141,7 @@ class TensorBoardLogger(VersionedLogger):
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         writer = self.writer
-        if writer is None:
+        if writer is None or self._failed():
             return
         self._metric_names.update(metrics)
         for name, value in metrics.items():
@@ -101,5 +164,12 @@ class TensorBoardLogger(VersionedLogger):
         # one run.
         if self._writer is not None:
             writer, self._writer = self._writer, None  # a later call opens a new one
-            self._write_experiment_with(writer)
-            writer.close()
+            if not self._failed():
+                self._write_experiment_with(writer)
+            try:
+                writer.close()  # its last write may fail here, on this thread
+            except OSError as exc:
+                if self._failure is None:
+                    raise
+                self._failure.error = self._failure.error or exc
+            self._failed()
