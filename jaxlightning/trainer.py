@@ -403,6 +403,12 @@ class Trainer:
         compiles at the first call (``pmap``, several processes)."""
         return self._program.train_cost() if self._program.started else None
 
+    def eval_step_cost(self) -> StepCost | None:
+        """XLA's count of the last evaluation's compiled step on one device
+        (validation, the sanity check's or test): ``None`` before any, under
+        ``pmap`` and in multi-process runs."""
+        return self._program.eval_cost()
+
     def checkpoint_payload(self, module: JaxModule) -> tuple[Any, dict[str, Any]]:
         """What a checkpoint of the run holds now: arrays and a JSON record.
 

@@ -97,7 +97,9 @@ def _numpy_range_test(x, y, batch, lrs, beta=0.98):
     return smoothed
 
 
-def test_lr_find_sweeps_a_traced_rate_in_one_compile_and_suggests_the_steepest_fall(compiles):
+def test_lr_find_sweeps_a_traced_rate_in_one_compile_and_suggests_the_steepest_fall(
+    compiles, tmp_path
+):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(30 * 16, 4)).astype(np.float32)
     y = (x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.1 * rng.normal(size=len(x))).astype(np.float32)
@@ -116,6 +118,25 @@ def test_lr_find_sweeps_a_traced_rate_in_one_compile_and_suggests_the_steepest_f
     assert finder.suggestion() == pytest.approx(lrs[10 + int(np.argmin(gradient))])
     assert model.hparams.lr == finder.suggestion()  # update_attr
     assert model.variables is None  # the test trained a copy
+    _check_plot(finder, tmp_path / "lr_find.png")
+
+
+def _check_plot(finder, path):
+    """Lightning's plot: the smoothed losses against the rates on a log axis,
+    the suggestion marked on the curve; saved as a real PNG."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    figure = finder.plot(suggest=True)
+    ax = figure.axes[0]
+    curve, marker = ax.get_lines()
+    np.testing.assert_array_equal(curve.get_xdata(), finder.results["lr"])
+    np.testing.assert_array_equal(curve.get_ydata(), finder.results["loss"])
+    assert ax.get_xscale() == "log"
+    lr = finder.suggestion()
+    assert list(marker.get_xdata()) == [lr]
+    assert list(marker.get_ydata()) == [finder.results["loss"][finder.results["lr"].index(lr)]]
+    figure.savefig(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_lr_find_stops_when_the_loss_diverges_and_names_a_missing_rate():

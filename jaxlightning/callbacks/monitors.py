@@ -54,9 +54,14 @@ class ModelSummary(Callback):
         # waits for it anyway), alongside the sanity check's.
         if not distributed.is_rank_zero():
             return
+        lines = []
         cost = trainer.train_step_cost()
         if cost is not None:
-            line = f"Train step per device: {cost.describe()}"
+            lines.append(f"Train step per device: {cost.describe()}")
+        cost = trainer.eval_step_cost()  # the sanity check's validation, if one ran
+        if cost is not None:
+            lines.append(f"Eval step per device: {cost.describe()}")
+        for line in lines:
             self.summary += "\n" + line
             print(line, flush=True)
 

@@ -107,6 +107,11 @@ class TrainerView(Protocol):
         once compiled: waits for the compile; ``None`` where unknown."""
         ...
 
+    def eval_step_cost(self) -> StepCost | None:
+        """XLA's count of the last evaluation's compiled step on one device;
+        ``None`` before any evaluation or where unknown."""
+        ...
+
     def checkpoint_payload(self, module: JaxModule) -> tuple[Any, dict[str, Any]]:
         """What a checkpoint of the run holds now: arrays and a JSON record."""
         ...

@@ -121,6 +121,8 @@ class Program:
         self._steps: Any = None  # the train step as jitted (for groups of batches)
         self._group_fns: dict[str, Any] = {}
         self._eval_fns: dict[Any, Any] = {}
+        # The last evaluation's step and the shapes it was called with.
+        self._last_eval: tuple[Any, tuple[Any, ...]] | None = None
         self._in_flight: deque[Any] = deque()
 
     # ----------------------------------------------------------- the state
@@ -465,7 +467,21 @@ class Program:
             local = jax.eval_shape(self.strategy.unreplicate, variables)
             zeros, options = zero_eval_metrics(module, hook, local, example)
             self._eval_fns[key] = (compiled, self.strategy.replicate(zeros), options)
+        compiled, zeros, _ = self._eval_fns[key]
+        call = (variables, zeros, first.data, first.mask)
+        self._last_eval = (compiled, jax.tree.map(_abstract, call))
         return self._eval_fns[key]
+
+    def eval_cost(self) -> StepCost | None:
+        """XLA's count of the last evaluation's step on one device (the compile
+        its calls used: found in JAX's cache, not compiled again); ``None``
+        before any evaluation, under pmap and in multi-process runs."""
+        if self._last_eval is None or jax.process_count() > 1:
+            return None
+        compiled, call = self._last_eval
+        if not hasattr(compiled, "trace"):  # pmap
+            return None
+        return step_cost(compiled.trace(*call).lower().compile())
 
     def predict_step(self, module: JaxModule) -> Callable[..., Any]:
         """The compiled ``predict_step`` of ``module`` (compiled once)."""
@@ -477,3 +493,10 @@ class Program:
                 sharded_out=True,
             )
         return self._eval_fns[key]
+
+
+def _abstract(x: Any) -> Any:
+    """A placed array's shape, dtype and sharding: what its compile depends on."""
+    if not isinstance(x, jax.Array):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
