@@ -56,7 +56,8 @@ class LRFinder:
         try:
             import matplotlib.pyplot as plt
         except ImportError as exc:
-            raise ImportError("LRFinder.plot needs matplotlib: pip install matplotlib") from exc
+            needs = "LRFinder.plot needs matplotlib: pip install 'jaxlightning[plot]'"
+            raise ImportError(needs) from exc
         fig, ax = plt.subplots() if ax is None else (ax.figure, ax)
         ax.plot(self.results["lr"], self.results["loss"])
         if self.mode == "exponential":
