@@ -64,8 +64,7 @@ TARGETS: list[tuple[str, float, bool]] = [
     ("data.data_path.spe8_vs_keras_spe8", 1.2, True),
     ("data.data_path.spe8_vs_lightning", 2.5, True),
     ("multi.sharded_memory.fsdp.vs_data_parallel", 0.40, False),
-    ("multi.sharded_memory.fsdp_scan.vs_data_parallel", 0.40, False),
-    ("multi.sharded_memory.fsdp_scan_remat.vs_data_parallel", 0.25, False),
+    ("multi.sharded_memory.fsdp_remat.vs_data_parallel", 0.25, False),
 ]
 
 

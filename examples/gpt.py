@@ -2,8 +2,10 @@
 
     python examples/gpt.py [fit] [--trainer.max_steps 300] [--trainer.strategy fsdp]
         [--trainer.precision bf16-mixed] [--trainer.accumulate_grad_batches 2]
-        [--model.scan true]                 # blocks in one nn.scan, FSDP gathers per block
+        [--model.scan false]                # blocks unrolled (default: one nn.scan,
+                                            # where FSDP gathers block by block)
         [--model.remat true]                # recompute each block in the backward pass
+        [--model.remat_policy dots_saveable]  # what remat keeps (jax.checkpoint_policies)
     python examples/gpt.py --trainer.strategy jaxlightning.ModelParallelStrategy \
         --trainer.strategy.model 2          # tensor parallel: data 4 x model 2
 
@@ -92,7 +94,19 @@ class GPT(nn.Module):
     context: int = 32
     dropout: float = 0.1
     remat: bool = False
-    scan: bool = False
+    scan: bool = True
+    remat_policy: str = "nothing_saveable"
+
+    def _policy(self):
+        """The `jax.checkpoint_policies` member named ``remat_policy``."""
+        policy = getattr(jax.checkpoint_policies, self.remat_policy, None)
+        if policy is None or not callable(policy):
+            raise ValueError(
+                f"remat_policy={self.remat_policy!r} is not a jax.checkpoint_policies member; "
+                "use e.g. 'nothing_saveable', 'dots_saveable' or "
+                "'dots_with_no_batch_dims_saveable'"
+            )
+        return policy
 
     @nn.compact
     def __call__(self, tokens, train: bool = False):
@@ -102,9 +116,11 @@ class GPT(nn.Module):
         if self.scan:
             x = self._scanned_blocks(x, train)
         else:
-            # With remat each block keeps only its input for the backward pass
-            # and runs its forward again there: activations of one block at a time.
-            block = nn.remat(Block, static_argnums=(2,)) if self.remat else Block
+            # With remat a block keeps for the backward pass what the policy
+            # saves (by default only its input) and runs its forward again there.
+            block = Block
+            if self.remat:
+                block = nn.remat(Block, static_argnums=(2,), policy=self._policy())
             for i in range(self.layers):
                 x = block(self.d_model, self.heads, self.dropout, name=f"Block_{i}")(x, train)
         return nn.Dense(self.vocab)(nn.LayerNorm()(x))
@@ -113,9 +129,8 @@ class GPT(nn.Module):
         """The blocks as one loop over stacked parameters (``nn.scan``): each
         block gathers its own parameters under FSDP (`jl.fsdp_gathered`), so a
         device holds one block's parameters whole at a time."""
-        block = jl.fsdp_gathered(ScanBlock)
-        if self.remat:
-            block = nn.remat(block)
+        # Without remat a block keeps its matmul results (fsdp_gathered's default).
+        block = jl.fsdp_gathered(ScanBlock, policy=self._policy() if self.remat else None)
         blocks = nn.scan(
             block,
             variable_axes={"params": 0},
@@ -154,11 +169,12 @@ class LitGPT(jl.JaxModule):
         lr: float = 3e-3,
         warmup: float = 0.1,
         remat: bool = False,
-        scan: bool = False,
+        scan: bool = True,
+        remat_policy: str = "nothing_saveable",
     ):
         super().__init__()
         self.save_hyperparameters()
-        self.net = GPT(VOCAB, d_model, heads, layers, context, dropout, remat, scan)
+        self.net = GPT(VOCAB, d_model, heads, layers, context, dropout, remat, scan, remat_policy)
 
     def setup(self, rng, batch):
         return self.net.init(rng, batch[:, :-1])

@@ -29,9 +29,11 @@ def test_benchmark_suite_runs_on_tiny_settings(tmp_path):
     assert multi["sharded"]["params_max_diff"] < 1e-6  # FSDP: the same numbers
     assert multi["sharded"]["fsdp_time_ratio"] > 0
     memory = multi["sharded_memory"]
-    for name in ("fsdp", "fsdp_scan", "fsdp_scan_remat", "fsdp_x_tp_scan"):
+    for name in ("fsdp_unrolled", "fsdp", "fsdp_remat", "fsdp_remat_dots_no_batch", "fsdp_x_tp"):
         assert memory[name]["params_max_diff"] < 1e-5
-    assert memory["fsdp_scan_remat"]["peak_mib"] < memory["fsdp"]["peak_mib"]
+    # Per layer holds less than at the start; remat keeps less still.
+    assert memory["fsdp"]["peak_mib"] < memory["fsdp_unrolled"]["peak_mib"]
+    assert memory["fsdp_remat"]["peak_mib"] < memory["fsdp"]["peak_mib"]
     assert single["logging_cost"]["params_max_diff_every_1"] == 0
     assert single["step_extras"]["params_max_diff"] < 1e-4  # the same computation
     for ratio in (single["vs_bare_jit"]["batch_128"]["ratio"], multi["vs_seeds_pmap"]["ratio"]):

@@ -166,8 +166,8 @@ def _tokens_loader():
     return DataLoader(torch.from_numpy(gpt.markov_tokens(200, 17)), 48)
 
 
-def _gpt(dropout):
-    return gpt.LitGPT(d_model=32, heads=4, layers=2, context=16, dropout=dropout)
+def _gpt(dropout, scan=False):
+    return gpt.LitGPT(d_model=32, heads=4, layers=2, context=16, dropout=dropout, scan=scan)
 
 
 @pytest.mark.parametrize(
@@ -203,7 +203,7 @@ def test_fsdp_gathers_each_scanned_layer_where_it_runs():
     per_layer = fit("fsdp", scan=True, dropout=0.1)
     dp = fit("auto", scan=True, dropout=0.1)
     assert max_abs_diff(host(per_layer.state.params), host(dp.state.params)) < 1e-5
-    whole = fit("fsdp")
+    whole = fit("fsdp", scan=False)
     assert per_layer.train_step_cost().peak_bytes < 0.75 * whole.train_step_cost().peak_bytes
     query = per_layer.state.params["Blocks"]["Block_0"]["query"]["kernel"]  # (4, 64, 64)
     assert query.sharding.spec == jax.sharding.PartitionSpec(None, "batch", None)
@@ -278,6 +278,33 @@ def _fit_ckpt(strategy, devices, root, steps, ckpt_path=None):
     )
     trainer.fit(ClippedMLP(hidden=64, lr=1e-2), loader(X, Y, 48), ckpt_path=ckpt_path)
     return trainer
+
+
+def _fit_gpt_ckpt(strategy, devices, root, ckpt_path=None, every=4):
+    checkpoint = jl.ModelCheckpoint(str(root / "ckpt"), every_n_train_steps=every, save_top_k=-1)
+    trainer = quiet_trainer(
+        max_steps=8, strategy=strategy, devices=devices, default_root_dir=root,
+        callbacks=[checkpoint],
+    )  # fmt: skip
+    trainer.fit(_gpt(0.1, scan=True), _tokens_loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_checkpoints_move_between_pmap_and_fsdp_x_tensor_parallel(tmp_path):
+    """The scanned GPT's kernels rest whole on every device under pmap and split
+    over both mesh axes under FSDP x TP (4 data shards either way: the same
+    keys, the same numbers). A pmap checkpoint resumes under FSDP x TP, and
+    that run's checkpoint under pmap again, each ending as the straight run."""
+    both = jl.ModelParallelStrategy(data=4, model=2)
+    straight = _fit_gpt_ckpt("pmap", 4, tmp_path / "a")
+    sharded = _fit_gpt_ckpt(both, "auto", tmp_path / "b", tmp_path / "a/ckpt/4", every=2)
+    out = sharded.state.params["Blocks"]["Block_0"]["out"]["kernel"]  # (2, 32, 32)
+    assert {s.data.shape for s in out.addressable_shards} == {(2, 16, 8)}
+    back = _fit_gpt_ckpt("pmap", 4, tmp_path / "c", tmp_path / "b/ckpt/6")
+    for resumed in (sharded, back):
+        assert resumed.global_step == 8
+        assert max_abs_diff(host(resumed.state.params), host(straight.state.params)) < 1e-5
+        assert max_abs_diff(host(resumed.state.opt_state), host(straight.state.opt_state)) < 1e-5
 
 
 @pytest.mark.parametrize(

@@ -362,7 +362,9 @@ def gather_leaf(shard: jax.Array, axis: str, dim: int) -> jax.Array:
     return checkpoint_name(whole, GATHERED)
 
 
-def fsdp_gathered(target: type[nn.Module]) -> Any:
+def fsdp_gathered(
+    target: type[nn.Module], *, policy: Callable[..., bool] | None = None
+) -> Any:
     """A linen module class whose parameters annotated with the data axis
     `jl.AXIS` (``nn.with_partitioning(init, (jl.AXIS, None))``) are gathered
     where it runs, one layer at a time, under `FSDPStrategy`; elsewhere it is
@@ -374,6 +376,15 @@ def fsdp_gathered(target: type[nn.Module]) -> Any:
     layers (``nn.scan`` over the wrapped block) each iteration gathers only its
     own layer, which XLA cannot hoist out of the loop: peak memory holds one
     layer's parameters whole, not the model's.
+
+    The block is rematerialised (``nn.remat``): for the backward pass it keeps
+    what ``policy`` saves, a `jax.checkpoint_policies` member, and recomputes
+    the rest; its gathered parameters are never saved (gathered again when the
+    backward pass reaches it), whatever the policy. The default,
+    ``dots_saveable``, keeps the matmul results; ``nothing_saveable`` keeps
+    only the block's input (least memory, the whole forward pass again);
+    ``dots_with_no_batch_dims_saveable`` keeps the matmuls against the
+    parameters but not attention's batched ones.
 
     Example:
         ``Blocks = nn.scan(jl.fsdp_gathered(Block), variable_axes={"params": 0},
@@ -399,10 +410,13 @@ def fsdp_gathered(target: type[nn.Module]) -> Any:
         return jax.tree.map(one, variables, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
     gathered = nn.map_variables(target, "params", trans_in_fn=gather, init=True)
-    # For the backward pass keep the layer's matmul results, not its gathered
-    # parameters (gathered again when the backward pass reaches the layer) nor
-    # its elementwise intermediates (recomputed from the matmul results).
-    return nn.remat(gathered, policy=jax.checkpoint_policies.dots_saveable)
+    chosen = jax.checkpoint_policies.dots_saveable if policy is None else policy
+
+    def saved(prim: Any, *args: Any, **params: Any) -> bool:
+        # Never the gathered parameters: a device would hold every layer's.
+        return _not_gathered(prim, *args, **params) and bool(chosen(prim, *args, **params))
+
+    return nn.remat(gathered, policy=saved)
 
 
 class FSDPStrategy(MeshStrategy):
