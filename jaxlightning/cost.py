@@ -94,6 +94,16 @@ def step_cost(compiled: Any) -> StepCost | None:
     )
 
 
+def cost_of(jitted: Any, *args: Any) -> StepCost | None:
+    """The `StepCost` of a jitted function for ``args`` (arrays or
+    ``jax.ShapeDtypeStruct`` with their shardings), compiled ahead of time:
+    JAX's cache then serves a call with the same shapes, so nothing compiles
+    twice. ``None`` for a function with no ahead-of-time path (``pmap``)."""
+    if not hasattr(jitted, "trace"):
+        return None
+    return step_cost(jitted.trace(*args).lower().compile())
+
+
 def peak_flops(device: jax.Device) -> float | None:
     """Peak dense bfloat16 FLOP/s of ``device`` from `PEAK_FLOPS`, if known."""
     kind = getattr(device, "device_kind", "")

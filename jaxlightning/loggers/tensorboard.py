@@ -169,7 +169,6 @@ class TensorBoardLogger(VersionedLogger):
             try:
                 writer.close()  # its last write may fail here, on this thread
             except OSError as exc:
-                if self._failure is None:
-                    raise
+                assert self._failure is not None  # made with the writer
                 self._failure.error = self._failure.error or exc
             self._failed()

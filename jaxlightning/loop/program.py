@@ -31,7 +31,7 @@ from jaxlightning.compiling import (
     in_background,
     join_quietly,
 )
-from jaxlightning.cost import StepCost, step_cost
+from jaxlightning.cost import StepCost, cost_of, step_cost
 from jaxlightning.data import DeviceBatch
 from jaxlightning.data.convert import Rows
 from jaxlightning.loop.multistep import host_steps, resident_batches
@@ -324,11 +324,8 @@ class Program:
         acc0, _ = zero_train_metrics(
             module, state, shard_shapes(example.host.data, per_shard), tx, self.options
         )
-        step = self._compile_train(module, tx)
-        if not hasattr(step, "trace"):  # pmap: compiled at its first call only
-            return None
         acc0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), acc0)
-        return step_cost(step.trace(state, acc0, data, mask).lower().compile())
+        return cost_of(self._compile_train(module, tx), state, acc0, data, mask)
 
     def train_group(self, batches: list[Any]) -> None:
         """Dispatches the train steps of ``batches`` as one program (`multistep`):
@@ -467,10 +464,10 @@ class Program:
             local = jax.eval_shape(self.strategy.unreplicate, variables)
             zeros, options = zero_eval_metrics(module, hook, local, example)
             self._eval_fns[key] = (compiled, self.strategy.replicate(zeros), options)
-        compiled, zeros, _ = self._eval_fns[key]
-        call = (variables, zeros, first.data, first.mask)
-        self._last_eval = (compiled, jax.tree.map(_abstract, call))
-        return self._eval_fns[key]
+        step = self._eval_fns[key]
+        call = (variables, step[1], first.data, first.mask)
+        self._last_eval = (step[0], jax.tree.map(_abstract, call))
+        return step
 
     def eval_cost(self) -> StepCost | None:
         """XLA's count of the last evaluation's step on one device (the compile
@@ -479,9 +476,7 @@ class Program:
         if self._last_eval is None or jax.process_count() > 1:
             return None
         compiled, call = self._last_eval
-        if not hasattr(compiled, "trace"):  # pmap
-            return None
-        return step_cost(compiled.trace(*call).lower().compile())
+        return cost_of(compiled, *call)
 
     def predict_step(self, module: JaxModule) -> Callable[..., Any]:
         """The compiled ``predict_step`` of ``module`` (compiled once)."""
