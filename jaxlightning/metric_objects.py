@@ -16,8 +16,12 @@ with the right shapes before anything is traced.
 ``compute()`` of these states runs on the host, in float64 numpy, on fetched
 sums; it is not meant for traced code.
 
-Metrics that need every row at once (Spearman's rank correlation, the exact,
-unbinned AUROC) are not here: their state does not reduce to sums.
+Rank metrics need every row at once (`SpearmanCorrCoef`, the exact AUROC of
+``AUROC(..., thresholds=None)``, `AveragePrecision`): their state is `Rows`,
+one evaluation step's rows gathered from every device, which the evaluation
+loop keeps step by step and the host concatenates (real rows only) to score
+once. They are for evaluation hooks: a training epoch's rows are not kept.
+`ConfusionMatrix` is summed like the rest; its value is the matrix itself.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from clu import metrics as clu_metrics
+from scipy import stats
 
 AVERAGES = ("binary", "macro", "micro", "weighted")
 
@@ -178,6 +183,96 @@ class RocBins(Sums):
         return float(np.sum((fpr[:-1] - fpr[1:]) * (tpr[:-1] + tpr[1:]) / 2))
 
 
+NORMALIZE = (None, "true", "pred", "all")
+
+
+@flax.struct.dataclass
+class ConfusionTable(Sums):
+    """A summed confusion matrix whose value is the matrix (``normalize``: as
+    ``sklearn.metrics.confusion_matrix``'s, rows where nothing is counted stay 0)."""
+
+    matrix: jax.Array
+    count: jax.Array
+    normalize: str | None = flax.struct.field(pytree_node=False, default=None)
+
+    def compute(self) -> np.ndarray:
+        matrix = np.asarray(self.matrix)
+        if self.normalize is None:
+            return matrix.astype(np.int64)
+        axis = {"true": 1, "pred": 0, "all": None}[self.normalize]
+        return _ratio(matrix, matrix.sum(axis=axis, keepdims=axis is not None))
+
+
+def _auroc(scores: np.ndarray, target: np.ndarray) -> float:
+    """The exact ROC area: the Mann-Whitney statistic over average ranks (ties
+    count one half), which is the trapezoid area of scikit-learn's curve."""
+    positive = target == 1
+    p, n = int(positive.sum()), int((~positive).sum())
+    if p == 0 or n == 0:
+        return float("nan")  # one class only: undefined (scikit-learn raises)
+    ranks = stats.rankdata(scores)
+    return float((ranks[positive].sum() - p * (p + 1) / 2) / (p * n))
+
+
+def _average_precision(scores: np.ndarray, target: np.ndarray) -> float:
+    """Precision at each distinct threshold weighted by the recall gained there."""
+    order = np.argsort(-scores, kind="mergesort")
+    scores, positive = scores[order], target[order] == 1
+    if not positive.any():
+        return float("nan")  # no positive: recall undefined
+    last = np.r_[np.flatnonzero(np.diff(scores)), scores.size - 1]  # end of each tie group
+    tp = np.cumsum(positive)[last].astype(np.float64)
+    precision, recall = tp / (last + 1), tp / tp[-1]
+    return float(np.sum(np.diff(np.r_[0.0, recall]) * precision))
+
+
+def _spearman(preds: np.ndarray, target: np.ndarray) -> float:
+    """Pearson's correlation of the average ranks (NaN for a constant input)."""
+    x, y = stats.rankdata(preds), stats.rankdata(target)
+    x, y = x - x.mean(), y - y.mean()
+    den = np.sqrt((x * x).sum() * (y * y).sum())
+    return float("nan") if den == 0 else float(np.clip((x * y).sum() / den, -1.0, 1.0))
+
+
+RANK_FORMULAS = {"auroc": _auroc, "average_precision": _average_precision, "spearman": _spearman}
+
+
+@flax.struct.dataclass
+class Rows(clu_metrics.Metric):
+    """Rows of a rank metric: inside a step, one step's rows of every device
+    (gathered across devices, padding rows marked by ``mask``); on the host,
+    after `concatenate`, every real row of the evaluation.
+
+    They do not add up on device: the step returns them and the evaluation
+    loop keeps each step's (`merge` is the latest step's rows).
+    """
+
+    preds: jax.Array
+    target: jax.Array
+    mask: jax.Array
+    count: jax.Array
+    formula: str = flax.struct.field(pytree_node=False, default="spearman")
+
+    def merge(self, other: Rows) -> Rows:
+        return other
+
+    @classmethod
+    def concatenate(cls, steps: Sequence[Rows], formula: str) -> Rows:
+        """The real rows of fetched ``steps``, in order (host numpy)."""
+        if not steps:
+            empty = np.zeros(0, np.float64)
+            return cls(empty, empty, np.zeros(0, bool), np.zeros((), np.int64), formula)
+        mask = np.concatenate([np.asarray(s.mask, bool) for s in steps])
+        preds = np.concatenate([np.asarray(s.preds, np.float64) for s in steps])[mask]
+        target = np.concatenate([np.asarray(s.target, np.float64) for s in steps])[mask]
+        return cls(preds, target, np.ones(preds.size, bool), np.asarray(preds.size), formula)
+
+    def compute(self) -> float:
+        mask = np.asarray(self.mask, bool)
+        preds, target = np.asarray(self.preds, np.float64), np.asarray(self.target, np.float64)
+        return RANK_FORMULAS[self.formula](preds[mask], target[mask])
+
+
 # ------------------------------------------------------------ the objects
 @dataclasses.dataclass(frozen=True)
 class MetricSpec:
@@ -190,6 +285,12 @@ class MetricSpec:
     def empty(self) -> clu_metrics.Metric:
         """The state of no rows (host numpy arrays)."""
         return self.kind.empty(**dict(self.settings))
+
+    @property
+    def collects(self) -> bool:
+        """Whether the state is a rank metric's `Rows` (kept step by step, for
+        evaluation hooks only) rather than sums."""
+        return isinstance(self.empty(), Rows)
 
     def __str__(self) -> str:
         args = ", ".join(f"{key}={value!r}" for key, value in self.settings)
@@ -377,6 +478,45 @@ class MatthewsCorrCoef(_Confusion):
         return {"num_classes": self.num_classes}
 
 
+class ConfusionMatrix(_Confusion):
+    """The confusion matrix of class predictions, as
+    ``sklearn.metrics.confusion_matrix(target, preds, labels=range(num_classes),
+    normalize=normalize)``: ``matrix[t, p]`` counts real rows of target ``t``
+    predicted ``p``. Its value is the matrix (a numpy array in
+    ``trainer.callback_metrics`` and the results of ``validate``/``test``);
+    loggers record numbers only, so it is not sent to them.
+
+    Args:
+        preds: class labels or scores, as `Precision`'s.
+        target: class labels ``[rows]``.
+        num_classes: the number of classes (the matrix is square in it).
+        normalize: ``None`` (counts), ``"true"`` (each row sums to 1),
+            ``"pred"`` (each column) or ``"all"``.
+    """
+
+    def __init__(
+        self, preds: Any, target: Any, *, num_classes: int = 2, normalize: str | None = None
+    ) -> None:
+        if normalize not in NORMALIZE:
+            raise ValueError(f"ConfusionMatrix: normalize={normalize!r}; use one of {NORMALIZE}")
+        self.normalize = normalize
+        super().__init__(preds, target, num_classes=num_classes, average="macro")
+
+    def settings(self) -> dict[str, Hashable]:
+        return {"num_classes": self.num_classes, "normalize": self.normalize}
+
+    @classmethod
+    def empty(  # type: ignore[override]
+        cls, num_classes: int, normalize: str | None = None
+    ) -> ConfusionTable:
+        zeros = np.zeros((num_classes, num_classes), np.int32)
+        return ConfusionTable(zeros, np.zeros((), np.int32), normalize)
+
+    def state(self, mask: jax.Array) -> ConfusionTable:  # type: ignore[override]
+        counts = super().state(mask)
+        return ConfusionTable(counts.matrix, counts.count, self.normalize)
+
+
 class Accuracy(MetricObject):
     """The fraction of rows predicted right, as ``sklearn.metrics.accuracy_score``,
     or in the top k, as ``top_k_accuracy_score``.
@@ -529,25 +669,34 @@ class AUROC(MetricObject):
     otherwise (scores between two thresholds count as tied); a finer grid
     approximates better. NaN when the rows seen hold only one class.
 
+    ``thresholds=None`` is the exact, unbinned area (torchmetrics' default):
+    the state is every row (`Rows`), so it is for evaluation hooks only, and
+    the value equals ``roc_auc_score`` on the float32 scores, ties included.
+
     Args:
         preds: scores ``[rows]``, higher meaning positive (probabilities, for the
             default grid: scores outside [0, 1] fall in its end bins).
         target: ``[rows]``, 1 for positive, anything else negative.
-        thresholds: ``N`` (at least 2) evenly spaced values in [0, 1], or an
-            increasing sequence of values (a host array, not a traced one).
+        thresholds: ``N`` (at least 2) evenly spaced values in [0, 1], an
+            increasing sequence of values (a host array, not a traced one), or
+            ``None``: exact.
     """
 
-    def __init__(self, preds: Any, target: Any, *, thresholds: int | Sequence[float] = 200) -> None:
+    def __init__(
+        self, preds: Any, target: Any, *, thresholds: int | Sequence[float] | None = 200
+    ) -> None:
         if isinstance(thresholds, jax.core.Tracer):
             raise ValueError(
                 "AUROC: thresholds is a traced value; give an int or a host array "
                 "(numpy or a list): the grid fixes the state's shape"
             )
         thresholds = _int(thresholds)
-        if isinstance(thresholds, int):
+        if thresholds is None:
+            self.thresholds: int | tuple[float, ...] | None = None
+        elif isinstance(thresholds, int):
             if thresholds < 2:
                 raise ValueError(f"AUROC(thresholds={thresholds}): give at least 2 thresholds")
-            self.thresholds: int | tuple[float, ...] = thresholds
+            self.thresholds = thresholds
         else:
             grid = threshold_grid(thresholds)
             if grid.ndim != 1 or not grid.size or not np.all(np.diff(grid) > 0):
@@ -564,14 +713,78 @@ class AUROC(MetricObject):
         return {"thresholds": self.thresholds}
 
     @classmethod
-    def empty(cls, thresholds: int | tuple[float, ...] = 200) -> RocBins:
+    def empty(cls, thresholds: int | tuple[float, ...] | None = 200) -> RocBins | Rows:
+        if thresholds is None:
+            return _no_rows("auroc")
         bins = np.zeros(len(threshold_grid(thresholds)) + 1, np.int32)
         return RocBins(bins, bins.copy(), np.zeros((), np.int32))
 
-    def state(self, mask: jax.Array) -> RocBins:
+    def state(self, mask: jax.Array) -> RocBins | Rows:
+        if self.thresholds is None:
+            return _rows(self.scores, self.positive, mask, "auroc")
         grid = jnp.asarray(threshold_grid(self.thresholds))
         bins = jnp.searchsorted(grid, self.scores, side="right")
         empty = jnp.zeros(grid.shape[0] + 1, jnp.int32)
         positives = empty.at[bins].add((mask & self.positive).astype(jnp.int32))
         negatives = empty.at[bins].add((mask & ~self.positive).astype(jnp.int32))
         return RocBins(positives, negatives, _count(mask))
+
+
+def _no_rows(formula: str) -> Rows:
+    empty = np.zeros(0, np.float32)
+    return Rows(empty, empty, np.zeros(0, bool), np.zeros((), np.int32), formula)
+
+
+def _rows(preds: jax.Array, target: jax.Array, mask: jax.Array, formula: str) -> Rows:
+    return Rows(preds.astype(jnp.float32), target.astype(jnp.float32), mask, _count(mask), formula)
+
+
+class _RankMetric(MetricObject):
+    """A metric of every row at once: its state is `Rows` (evaluation hooks only)."""
+
+    formula = ""
+
+    def __init__(self, preds: Any, target: Any) -> None:
+        super().__init__(preds, target)
+        self.x = self._vector("preds", self.preds)
+        self.y = self._vector("target", self.target)
+
+    def settings(self) -> dict[str, Hashable]:
+        return {}
+
+    @classmethod
+    def empty(cls) -> Rows:
+        return _no_rows(cls.formula)
+
+    def state(self, mask: jax.Array) -> Rows:
+        return _rows(self.x, self.y, mask, self.formula)
+
+
+class SpearmanCorrCoef(_RankMetric):
+    """Spearman's rank correlation of two vectors, as ``scipy.stats.spearmanr``
+    (ties get their average rank; NaN for a constant input). Every row is
+    kept, so it is for evaluation hooks only; values are ranked as float32.
+
+    Args:
+        preds: ``[rows]``.
+        target: ``[rows]``.
+    """
+
+    formula = "spearman"
+
+
+class AveragePrecision(_RankMetric):
+    """Average precision of binary targets, as
+    ``sklearn.metrics.average_precision_score`` (exact: every row is kept, so
+    for evaluation hooks only; NaN while no row is positive).
+
+    Args:
+        preds: scores ``[rows]``, higher meaning positive.
+        target: ``[rows]``, 1 for positive, anything else negative.
+    """
+
+    formula = "average_precision"
+
+    def __init__(self, preds: Any, target: Any) -> None:
+        super().__init__(preds, target)
+        self.y = self.y == 1

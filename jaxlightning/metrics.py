@@ -24,6 +24,8 @@ from clu import metrics as clu_metrics
 
 from jaxlightning.metric_objects import AUROC as AUROC
 from jaxlightning.metric_objects import Accuracy as Accuracy
+from jaxlightning.metric_objects import AveragePrecision as AveragePrecision
+from jaxlightning.metric_objects import ConfusionMatrix as ConfusionMatrix
 from jaxlightning.metric_objects import F1Score as F1Score
 from jaxlightning.metric_objects import MatthewsCorrCoef as MatthewsCorrCoef
 from jaxlightning.metric_objects import MeanAbsoluteError as MeanAbsoluteError
@@ -33,6 +35,8 @@ from jaxlightning.metric_objects import MetricSpec as MetricSpec
 from jaxlightning.metric_objects import PearsonCorrCoef as PearsonCorrCoef
 from jaxlightning.metric_objects import Precision as Precision
 from jaxlightning.metric_objects import Recall as Recall
+from jaxlightning.metric_objects import Rows as Rows
+from jaxlightning.metric_objects import SpearmanCorrCoef as SpearmanCorrCoef
 
 REDUCTIONS = ("mean", "sum", "max", "min")
 
@@ -161,16 +165,28 @@ def from_logged(name: str, value: Any, mask: jax.Array, options: LogOptions) -> 
 
 def across_devices(axis: str, metrics: Mapping[str, Any], tree: Any = None) -> Any:
     """``(tree, metrics)`` summed across the devices of ``axis``, extremes taken
-    with ``pmax``/``pmin``: one collective for the sums, one per kind of extreme
-    used. A no-op on one device (XLA keeps a one-device all-reduce, which costs
-    a copy of every gradient and blocks fusing it into the update)."""
+    with ``pmax``/``pmin``, rank metrics' `Rows` gathered: one collective for
+    the sums, one per kind of extreme used, one gather. A no-op on one device
+    (XLA keeps a one-device all-reduce, which costs a copy of every gradient and
+    blocks fusing it into the update)."""
     if jax.lax.axis_size(axis) == 1:
         return tree, dict(metrics)
-    sums = {n: m for n, m in metrics.items() if not isinstance(m, Extreme)}
+    sums = {n: m for n, m in metrics.items() if not isinstance(m, (Extreme, Rows))}
     extremes = {n: m for n, m in metrics.items() if isinstance(m, Extreme)}
-    counts = {n: m.count for n, m in extremes.items()}
+    rows = {n: m for n, m in metrics.items() if isinstance(m, Rows)}
+    counts = {n: m.count for n, m in (extremes | rows).items()}
     tree, sums, counts = jax.lax.psum((tree, sums, counts), axis)
     reduced = dict(sums)
+    if rows:  # every device's rows, in device order (a rank metric's state)
+        gathered = jax.lax.all_gather(
+            {n: (m.preds, m.target, m.mask) for n, m in rows.items()}, axis, tiled=True
+        )
+        reduced.update(
+            {
+                n: m.replace(preds=p, target=t, mask=k, count=counts[n])
+                for (n, m), (p, t, k) in zip(rows.items(), gathered.values(), strict=True)
+            }
+        )
     for op, collective in (("max", jax.lax.pmax), ("min", jax.lax.pmin)):
         group = {n: m for n, m in extremes.items() if m.op == op}
         if group:
@@ -187,8 +203,21 @@ def settle(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return {n: m.settled() if isinstance(m, ScalarSum) else m for n, m in metrics.items()}
 
 
-def host_value(metric: Any) -> float | None:
-    """A fetched state's value, or ``None`` when it saw no real row."""
+def host_value(metric: Any) -> float | np.ndarray | None:
+    """A fetched state's value (a number; an array for `ConfusionMatrix`), or
+    ``None`` when it saw no real row."""
     if int(metric.count) == 0:
         return None
-    return float(metric.compute())
+    value = np.asarray(metric.compute())
+    return float(value) if value.ndim == 0 else value
+
+
+def monitored(value: Any, who: str) -> float:
+    """A monitored value as a number; an array (a `ConfusionMatrix`) raises
+    naming ``who`` (``"EarlyStopping(monitor='val/cm')"``)."""
+    if np.ndim(value) != 0:
+        raise ValueError(
+            f"{who}: the value has shape {np.shape(value)}; monitor a number (a metric "
+            "object whose value is one, such as F1Score or AUROC)"
+        )
+    return float(value)

@@ -34,6 +34,7 @@ from jaxlightning.losses import loss_terms, pmean_floats
 from jaxlightning.metrics import (
     Average,
     LogOptions,
+    Rows,
     Total,
     across_devices,
     from_logged,
@@ -155,14 +156,17 @@ def _kinds(metrics: Metrics) -> dict[str, Any]:
 
 
 def _merge(acc: Metrics, new: Metrics, hook: str) -> Metrics:
-    if _kinds(acc) != _kinds(new):
+    """``new`` merged into ``acc``; a rank metric's `Rows` pass through as this
+    step's (the evaluation loop keeps them: they are not in ``acc``)."""
+    carried = {name: m for name, m in new.items() if not isinstance(m, Rows)}
+    if _kinds(acc) != _kinds(carried):
         raise ValueError(
             f"{hook}() logged {sorted(new)} in this trace but {sorted(acc)} when the "
             "Trainer first traced it (or with another reduce_fx); log the same names "
             "the same way every time (a Python condition on shapes or attributes can "
             "change them between traces)"
         )
-    return {name: acc[name].merge(metric) for name, metric in new.items()}
+    return {name: acc[name].merge(m) if name in carried else m for name, m in new.items()}
 
 
 def _merge_train(
@@ -292,6 +296,15 @@ def zero_train_metrics(
             logged["grad_norm"] = GRAD_NORM_OPTIONS
     if options.skip_nonfinite:
         logged[SKIPPED] = SKIPPED_OPTIONS
+    hook = "training_step" if is_manual(module) else "loss"
+    for name, opts in logged.items():
+        if opts.metric is not None and opts.metric.collects:
+            raise ValueError(
+                f"self.log({name!r}, {opts.metric}) in {hook}(): a rank metric needs every "
+                "row at once, which a training epoch does not keep; log it in "
+                "validation_step/test_step (eval_step), or use a summed one (AUROC with "
+                "thresholds=N, PearsonCorrCoef)"
+            )
     metrics = {name: zero(opts) for name, opts in logged.items()}
     epoch = {name: zero(opts) for name, opts in logged.items() if opts.on_epoch}
     return TrainMetrics(metrics, epoch, np.zeros((), np.int32)), logged
@@ -300,13 +313,15 @@ def zero_train_metrics(
 def zero_eval_metrics(
     module: JaxModule, hook: str, variables: Any, batch: Any
 ) -> tuple[Metrics, Options]:
-    """Empty accumulators for what the evaluation ``hook`` logs, and their options."""
+    """Empty accumulators for what the evaluation ``hook`` logs, and their options
+    (a rank metric has none: its `Rows` are each step's output)."""
 
     def call(variables: Any, batch: Any) -> None:
         module._call_eval(hook, variables, batch)
 
     options = _logged_names(module, hook, variables, batch, call=call)
-    return {name: zero(opts) for name, opts in options.items()}, options
+    carried = {n: o for n, o in options.items() if o.metric is None or not o.metric.collects}
+    return {name: zero(opts) for name, opts in carried.items()}, options
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,9 +109,19 @@ def test_tensorboard_on_a_full_disk_warns_once_and_never_blocks(tmp_path):
     root.mkdir()
     script = _TENSORBOARD_ON_A_FULL_DISK.format(root=str(root))
     done = subprocess.run(
-        ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=1m tmpfs {root} && "$0" -c "$1"',
-         sys.executable, script],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            f'mount -t tmpfs -o size=1m tmpfs {root} && "$0" -c "$1"',
+            sys.executable,
+            script,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     warned = done.stdout.split("WARNED\n", 1)[1].strip().splitlines()

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from scipy import stats
 from sklearn import metrics as skm
 
 import jaxlightning as jl
@@ -36,6 +37,7 @@ def outputs(n: int, seed: int = 0) -> dict[str, np.ndarray]:
         "positive": (y == 0).astype(np.int32),
         "prob": 1 / (1 + np.exp(-scores[:, 0] + scores[:, 1:].mean(-1))).astype(np.float32),
         "on_grid": np.linspace(0, 1, GRID).astype(np.float32)[rng.integers(0, GRID, n)],
+        "tied": np.round(rng.random(n) * 0.6 + 0.4 * (y == 0), 1).astype(np.float32),
         "pred": (target + rng.normal(scale=0.7, size=n)).astype(np.float32),
         "target": target.astype(np.float32),
     }
@@ -63,6 +65,15 @@ def log_every_metric(module: jl.JaxModule, batch: dict) -> None:
     module.log("rmse", m.MeanSquaredError(batch["pred"], batch["target"], squared=False))
     module.log("pearson", m.PearsonCorrCoef(batch["pred"], batch["target"]))
     module.log("auroc_grid", m.AUROC(batch["on_grid"], positive, thresholds=GRID))
+    module.log("auroc_exact", m.AUROC(batch["prob"], positive, thresholds=None))
+    module.log("auroc_ties", m.AUROC(batch["tied"], positive, thresholds=None))
+    module.log("average_precision", m.AveragePrecision(batch["tied"], positive))
+    module.log("spearman", m.SpearmanCorrCoef(batch["pred"], batch["target"]))
+    module.log("spearman_ties", m.SpearmanCorrCoef(batch["tied"], batch["target"]))
+    module.log("confusion", m.ConfusionMatrix(labels, y, num_classes=CLASSES))
+    module.log(
+        "confusion_true", m.ConfusionMatrix(labels, y, num_classes=CLASSES, normalize="true")
+    )
 
 
 def sklearn_values(d: dict[str, np.ndarray]) -> dict[str, float]:
@@ -89,7 +100,23 @@ def sklearn_values(d: dict[str, np.ndarray]) -> dict[str, float]:
     expected["rmse"] = np.sqrt(expected["mse"])
     expected["pearson"] = np.corrcoef(d["pred"], d["target"])[0, 1]
     expected["auroc_grid"] = skm.roc_auc_score(positive, d["on_grid"])
+    expected["auroc_exact"] = skm.roc_auc_score(positive, d["prob"])
+    expected["auroc_ties"] = skm.roc_auc_score(positive, d["tied"])
+    expected["average_precision"] = skm.average_precision_score(positive, d["tied"])
+    expected["spearman"] = stats.spearmanr(d["pred"], d["target"]).statistic
+    expected["spearman_ties"] = stats.spearmanr(d["tied"], d["target"]).statistic
     return expected
+
+
+def sklearn_matrices(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """scikit-learn's confusion matrices for `log_every_metric`'s matrix names."""
+    y, labels = d["y"], d["scores"].argmax(-1)
+    return {
+        "confusion": skm.confusion_matrix(y, labels, labels=range(CLASSES)),
+        "confusion_true": np.nan_to_num(
+            skm.confusion_matrix(y, labels, labels=range(CLASSES), normalize="true")
+        ),
+    }
 
 
 class Outputs(jl.JaxModule):
@@ -152,8 +179,63 @@ def test_counting_the_padding_rows_would_change_the_values(validated):
     data, result = validated
     padded = {k: np.concatenate([v, np.repeat(v[-1:], 11, axis=0)]) for k, v in data.items()}
     wrong = sklearn_values(padded)
-    for name in ("f1_macro", "mcc", "acc", "mae", "pearson", "auroc_grid"):
+    for name in ("f1_macro", "mcc", "acc", "mae", "pearson", "auroc_grid", "auroc_exact"):
         assert result[f"val/{name}"] != pytest.approx(wrong[name], abs=1e-5), name
+    # (average precision is left out: copies of a low-scored negative leave it as it is)
+    assert result["val/spearman"] != pytest.approx(wrong["spearman"], abs=1e-5)
+    wrong_matrix = sklearn_matrices(padded)["confusion"]
+    assert not np.array_equal(result["val/confusion"], wrong_matrix)
+
+
+@pytest.mark.parametrize("name", ["confusion", "confusion_true"])
+def test_confusion_matrices_equal_sklearn_and_stay_out_of_the_loggers(validated, name):
+    data, result = validated
+    expected = sklearn_matrices(data)[name]
+    np.testing.assert_allclose(result[f"val/{name}"], expected, atol=1e-12)
+    assert result[f"val/{name}"].shape == (CLASSES, CLASSES)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+def test_rank_metrics_equal_scipy_with_a_last_batch_split_over_devices(tmp_path, strategy):
+    """57 rows in batches of 8 on 4 devices: the last batch's one real row sits on
+    the first device; the rows come back from every device (pmap and shard_map)."""
+    data = outputs(57, seed=7)
+    trainer = quiet_trainer(devices=4, strategy=strategy, logger=jl.CSVLogger(str(tmp_path)))
+    (result,) = trainer.validate(ready(Outputs()), jl.arrays(data, batch_size=8))
+    expected = sklearn_values(data)
+    for name in ("spearman", "spearman_ties", "auroc_exact", "auroc_ties", "average_precision"):
+        assert result[f"val/{name}"] == pytest.approx(expected[name], abs=1e-12), name
+    assert "val/confusion" in trainer.callback_metrics
+    assert "val/confusion" not in trainer.logged_metrics
+    (csv,) = tmp_path.rglob("metrics.csv")
+    header = csv.read_text().splitlines()[0].split(",")
+    assert "val/spearman" in header and "val/confusion" not in header
+
+
+def test_a_rank_metric_in_the_training_loss_is_refused_naming_it():
+    class TrainSpearman(Outputs):
+        def loss(self, variables, batch, rngs):
+            self.log("rho", jl.metrics.SpearmanCorrCoef(batch["pred"], batch["target"]))
+            return super().loss(variables, batch, rngs)
+
+    message = r"self.log\('rho', SpearmanCorrCoef\(\)\) in loss\(\): a rank metric"
+    with pytest.raises(ValueError, match=message):
+        quiet_trainer(devices=2, max_epochs=1).fit(
+            TrainSpearman(), jl.arrays(outputs(16), batch_size=8)
+        )
+
+
+def test_monitoring_a_confusion_matrix_is_refused_naming_its_shape():
+    class Confused(Outputs):
+        def eval_step(self, variables, batch):
+            labels = batch["scores"].argmax(-1)
+            self.log("cm", jl.metrics.ConfusionMatrix(labels, batch["y"], num_classes=CLASSES))
+
+    stop = jl.EarlyStopping(monitor="val/cm")
+    message = r"EarlyStopping\(monitor='val/cm'\): the value has shape \(5, 5\)"
+    with pytest.raises(ValueError, match=message):
+        data = jl.arrays(outputs(16), batch_size=8)
+        quiet_trainer(devices=2, max_epochs=1, callbacks=[stop]).fit(Confused(), data, data)
 
 
 def test_training_epoch_value_equals_sklearn_over_the_epoch():

@@ -18,6 +18,7 @@ from jaxlightning.checkpoint import (
     move_aside,
     weights_only,
 )
+from jaxlightning.metrics import monitored
 
 if TYPE_CHECKING:
     from jaxlightning.callbacks.view import TrainerView
@@ -273,7 +274,7 @@ class ModelCheckpoint(Callback):
                     stacklevel=4,
                 )
             return None
-        score = float(value)
+        score = monitored(value, f"ModelCheckpoint(monitor={self.monitor!r})")
         if math.isnan(score):
             score = math.inf if self.mode == "min" else -math.inf
         return score

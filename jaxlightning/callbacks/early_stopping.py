@@ -10,6 +10,7 @@ import jax
 
 from jaxlightning import distributed
 from jaxlightning.callbacks.base import Callback
+from jaxlightning.metrics import monitored
 
 if TYPE_CHECKING:
     from jaxlightning.callbacks.view import TrainerView
@@ -174,7 +175,7 @@ class EarlyStopping(Callback):
             if self.verbose:
                 self._say(self._missing(trainer))
             return
-        message = self.decide(float(value))
+        message = self.decide(monitored(value, f"EarlyStopping(monitor={self.monitor!r})"))
         # every process stops if any one decides to (values logged on the host may differ)
         if distributed.agree_max(int(bool(message))):
             self.stopped_epoch = trainer.current_epoch

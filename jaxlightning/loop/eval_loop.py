@@ -15,7 +15,7 @@ from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.program import Program
 from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.reporter import Report, Reporter, report
-from jaxlightning.metrics import LogOptions
+from jaxlightning.metrics import LogOptions, Rows
 from jaxlightning.module import JaxModule
 from jaxlightning.step import Metrics
 
@@ -156,13 +156,23 @@ class EvalLoop:
         with self.pipeline.eval_pass(loader, f"the {stage} dataloader", limit, epoch) as batches:
             variables = self._variables(module, batches.first, ckpt_path)
             eval_step, acc, options = self.program.eval_step(module, hook, batches.first, variables)
+            ranked = [n for n, o in options.items() if o.metric is not None and o.metric.collects]
+            steps = []  # each step's rows of the rank metrics (on device until the end)
             for batch_idx, batch in enumerate(batches):
                 self.hooks(f"on_{stage}_batch_start", module, batch_idx)
-                acc = eval_step(variables, acc, batch.data, batch.mask)
-                self.program.throttle(acc)
+                out = eval_step(variables, acc, batch.data, batch.mask)
+                acc = {n: m for n, m in out.items() if n not in ranked}
+                if ranked:
+                    steps.append({n: out[n] for n in ranked})
+                self.program.throttle(out)
                 self.hooks(f"on_{stage}_batch_end", module, batch_idx)
             self.program.drain()
-        return self.program.fetch(acc), options
+        metrics = self.program.fetch(acc)
+        fetched = self.program.fetch(steps)
+        for name in ranked:
+            formula = options[name].metric.empty().formula  # type: ignore[union-attr]
+            metrics[name] = Rows.concatenate([s[name] for s in fetched], formula)
+        return {n: metrics[n] for n in options}, options
 
     # ------------------------------------------------------------- predict
     def predict(self, module: JaxModule, dataloaders: Any, ckpt_path: Any) -> Any:

@@ -71,6 +71,8 @@ def report(
         plain = full_name(prefix, name) + (suffix if opts.add_dataloader_idx else "")
         key = plain + (f"_{level}" if opts.on_step and opts.on_epoch else "")
         out.values[key] = out.values[plain] = value
+        if not isinstance(value, float):
+            continue  # a matrix: callback_metrics and results only (loggers take numbers)
         if opts.logger:
             out.logged[key] = value
         if opts.prog_bar:

@@ -362,9 +362,7 @@ def gather_leaf(shard: jax.Array, axis: str, dim: int) -> jax.Array:
     return checkpoint_name(whole, GATHERED)
 
 
-def fsdp_gathered(
-    target: type[nn.Module], *, policy: Callable[..., bool] | None = None
-) -> Any:
+def fsdp_gathered(target: type[nn.Module], *, policy: Callable[..., bool] | None = None) -> Any:
     """A linen module class whose parameters annotated with the data axis
     `jl.AXIS` (``nn.with_partitioning(init, (jl.AXIS, None))``) are gathered
     where it runs, one layer at a time, under `FSDPStrategy`; elsewhere it is
