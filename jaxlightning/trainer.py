@@ -15,7 +15,7 @@ import dataclasses
 import datetime
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -403,6 +403,23 @@ class Trainer:
         compiles at the first call (``pmap``, several processes)."""
         return self._program.train_cost() if self._program.started else None
 
+    def set_optimizer_state(self, kind: type, **values: Any) -> None:
+        """Writes host ``values`` into the named fields of every ``kind`` node
+        (a NamedTuple an optimizer transformation keeps as its state) in the
+        train state: the next step reads them; nothing recompiles. For callbacks
+        that steer a transformation they added (`StochasticWeightAveraging`)."""
+        if not self._program.started:
+            raise RuntimeError("set_optimizer_state needs a fit that has started")
+        self._program.set_optimizer_state(kind, **values)
+
+    def map_state(self, fn: Callable[[TrainState], TrainState]) -> None:
+        """Replaces the train state by ``fn(state)`` (traced once, run on the
+        devices, the same on each); ``trainer.state`` and, after training, the
+        module's variables then show the result."""
+        if not self._program.started:
+            raise RuntimeError("map_state needs a fit that has started")
+        self._program.map_state(fn)
+
     def eval_step_cost(self) -> StepCost | None:
         """XLA's count of the last evaluation's compiled step on one device
         (validation, the sanity check's or test): ``None`` before any, under
@@ -583,12 +600,19 @@ class Trainer:
             self._progress.position = (self.current_epoch, skip)
             _ = self.log_dir  # fixes the run directory on every process at once
             self._fit_loop.run(module, train, val, batches, skip)
+        self._hand_back(module)
+        if training:
+            mapped = self._program.mapped
+            self._hooks("on_train_end", module)
+            if self._program.mapped != mapped:  # a callback replaced the state (SWA)
+                self._hand_back(module)
+        self._hooks("on_fit_end", module)
+
+    def _hand_back(self, module: JaxModule) -> None:
+        """Gives ``module`` the train state's variables."""
         module.variables = self._program.trained_variables()
         if module._nnx is not None:  # the user's NNX model holds the trained arrays
             module._nnx.update(module.model, module.variables)
-        if training:
-            self._hooks("on_train_end", module)
-        self._hooks("on_fit_end", module)
 
     # ------------------------------------------------ validate, test, predict
     def validate(

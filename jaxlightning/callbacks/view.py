@@ -112,6 +112,15 @@ class TrainerView(Protocol):
         ``None`` before any evaluation or where unknown."""
         ...
 
+    def set_optimizer_state(self, kind: type, **values: Any) -> None:
+        """Writes host values into the fields of every ``kind`` node of the
+        train state's optimizer state (no recompile)."""
+        ...
+
+    def map_state(self, fn: Any) -> None:
+        """Replaces the train state by ``fn(state)``, run on the devices."""
+        ...
+
     def checkpoint_payload(self, module: JaxModule) -> tuple[Any, dict[str, Any]]:
         """What a checkpoint of the run holds now: arrays and a JSON record."""
         ...

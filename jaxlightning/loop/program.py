@@ -124,6 +124,7 @@ class Program:
         # The last evaluation's step and the shapes it was called with.
         self._last_eval: tuple[Any, tuple[Any, ...]] | None = None
         self._in_flight: deque[Any] = deque()
+        self.mapped = 0  # how many times `map_state` replaced the state
 
     # ----------------------------------------------------------- the state
     @property
@@ -282,23 +283,48 @@ class Program:
         self._state, self._acc = self._train_step(self._state, self._acc, batch.data, batch.mask)
         self.throttle(self._acc)
 
-    def set_plateau_scale(self, value: float) -> None:
-        """Writes ``value`` as the train state's plateau scale (`plateau_scale`'s
-        state): the next step multiplies its update by it, no recompile."""
+    def set_optimizer_state(self, kind: type, **values: Any) -> None:
+        """Writes host ``values`` into the named fields of every node of type
+        ``kind`` (a NamedTuple) in the train state's optimizer state, each leaf
+        keeping its shape, dtype and placement: the next step reads them, and
+        nothing recompiles."""
+        if not values:
+            return
 
-        def put(leaf: jax.Array) -> jax.Array:
-            host = np.full(leaf.shape, value, leaf.dtype)
+        def put(leaf: jax.Array, value: Any) -> jax.Array:
+            host = np.broadcast_to(np.asarray(value, leaf.dtype), leaf.shape)
             return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda i: host[i])
 
         def replace(node: Any) -> Any:
-            return (
-                PlateauScaleState(put(node.scale)) if isinstance(node, PlateauScaleState) else node
-            )
+            if not isinstance(node, kind):
+                return node
+            return node._replace(**{f: put(getattr(node, f), v) for f, v in values.items()})
 
-        opt_state = jax.tree.map(
-            replace, self._state.opt_state, is_leaf=lambda n: isinstance(n, PlateauScaleState)
-        )
-        self._state = self._state.replace(opt_state=opt_state)
+        found = []
+
+        def is_node(node: Any) -> bool:
+            if isinstance(node, kind):
+                found.append(node)
+                return True
+            return False
+
+        state = self.live_state()
+        opt_state = jax.tree.map(replace, state.opt_state, is_leaf=is_node)
+        if not found:
+            raise RuntimeError(f"the optimizer state holds no {kind.__name__}")
+        self._state = state.replace(opt_state=opt_state)
+
+    def set_plateau_scale(self, value: float) -> None:
+        """Writes ``value`` as the train state's plateau scale (`plateau_scale`'s
+        state): the next step multiplies its update by it, no recompile."""
+        self.set_optimizer_state(PlateauScaleState, scale=value)
+
+    def map_state(self, fn: Callable[[TrainState], TrainState]) -> None:
+        """Replaces the train state by ``fn(state)``, compiled as one program the
+        same on every device (after the steps in flight)."""
+        self.drain()
+        self._state = self.strategy.compile_global(fn)(self.live_state())
+        self.mapped += 1
 
     def train_cost(self) -> StepCost | None:
         """XLA's count of one train step on one device (waits for its compile);
