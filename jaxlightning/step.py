@@ -539,6 +539,49 @@ def build_eval_step(
     return jl_eval_step
 
 
+def build_statistics_step(
+    module: JaxModule, seed: int, precision: str = "32-true"
+) -> Callable[..., Any]:
+    """Per-device ``(variables, (sums, n), batch, rows) -> (sums, n)``: each
+    batch's BatchNorm statistics, summed (torch's ``update_bn``, for
+    `StochasticWeightAveraging`). The loss's forward pass runs twice, from
+    running statistics 0 and 1: flax's update ``new = m * old + (1 - m) * batch``
+    gives ``m`` as their difference and the batch's statistic as
+    ``new0 / (1 - m)``. Averaged across devices as the train step averages
+    collections."""
+
+    def jl_statistics_step(variables, acc, batch, rows):
+        mask, epoch = _unpack(rows)
+        sums, n = acc
+        model_state = {k: v for k, v in variables.items() if k != "params"}
+        rngs = device_keys(jax.random.key(seed), n, module._streams())
+        params = for_compute(variables["params"], precision)
+
+        def forward(fill: float) -> Any:
+            stats = jax.tree.map(lambda s: jnp.full_like(s, fill), model_state["batch_stats"])
+            start = {**model_state, "batch_stats": stats}
+            with (
+                module._collect_logs("loss", mask, n, epoch),
+                computing(precision),
+            ):
+                out = module._call_loss(
+                    {"params": params, **start}, for_compute(batch, precision), rngs
+                )
+            _, _, updates = loss_terms(out, start, mask)
+            return jax.lax.pmean(updates["batch_stats"], AXIS)
+
+        new0, new1 = forward(0.0), forward(1.0)
+
+        def batch_statistic(a: jax.Array, b: jax.Array) -> jax.Array:
+            keep = 1.0 - (b - a)  # 1 - m
+            return jnp.where(keep == 0, a, a / jnp.where(keep == 0, 1, keep))
+
+        stats = jax.tree.map(batch_statistic, new0, new1)
+        return jax.tree.map(jnp.add, sums, stats), n + 1
+
+    return jl_statistics_step
+
+
 def build_predict_step(
     module: JaxModule, precision: str = "32-true"
 ) -> Callable[[dict[str, Any], Any, jax.Array], Any]:

@@ -276,6 +276,7 @@ class Trainer:
         self.datamodule: Any = None
         self.stage: str | None = None  # "fit", "validate", "test" or "predict" while running
         self._epoch_batches: tuple[int | None] | None = None  # fit's, once known
+        self._train_loader: Any = None  # fit's training data, while it runs
         self._lightning_module: JaxModule | None = None  # the module fit last
 
         # The components, each given what it may touch.
@@ -419,6 +420,20 @@ class Trainer:
         if not self._program.started:
             raise RuntimeError("map_state needs a fit that has started")
         self._program.map_state(fn)
+
+    def recompute_batch_statistics(self) -> None:
+        """During `fit`: sets the train state's ``batch_stats`` to the mean, over
+        one pass of the training data, of each batch's statistics under the
+        state's parameters (torch's ``update_bn``; `StochasticWeightAveraging`
+        calls it after putting the average in)."""
+        module, loader = self._program.fit_module, self._train_loader
+        if module is None or loader is None or not self._program.started:
+            raise RuntimeError("recompute_batch_statistics needs a running fit")
+        if "batch_stats" not in self._program.live_state().model_state:
+            raise ValueError(f"{type(module).__name__}'s variables have no 'batch_stats'")
+        name = "the train dataloader (recomputing batch_stats)"
+        with self._pipeline.eval_pass(loader, name, None, self.current_epoch) as batches:
+            self._program.recompute_batch_statistics(module, batches)
 
     def eval_step_cost(self) -> StepCost | None:
         """XLA's count of the last evaluation's compiled step on one device
@@ -587,25 +602,29 @@ class Trainer:
         # Every thread started from here on (prefetching, compiles) is joined on
         # every way out: one still running in XLA when the process exits aborts it.
         training = self._epoch_batches != (0,)  # limit_train_batches=0: no training
-        with contextlib.ExitStack() as threads:
-            batches = None
+        self._train_loader = train  # for recompute_batch_statistics
+        try:
+            with contextlib.ExitStack() as threads:
+                batches = None
+                if training:
+                    batches = self._pipeline.train_epoch(train, self.current_epoch, skip)
+                    threads.callback(batches.close)
+                example = (batches and batches.first) or self._pipeline.example_batch(train)
+                self._program.start(module, tx, example, path, threads)
+                if meta is not None:
+                    resume.load_states(self._hooks, self.datamodule, module, meta)
+                self._stop.reset()
+                self._progress.position = (self.current_epoch, skip)
+                _ = self.log_dir  # fixes the run directory on every process at once
+                self._fit_loop.run(module, train, val, batches, skip)
+            self._hand_back(module)
             if training:
-                batches = self._pipeline.train_epoch(train, self.current_epoch, skip)
-                threads.callback(batches.close)
-            example = (batches and batches.first) or self._pipeline.example_batch(train)
-            self._program.start(module, tx, example, path, threads)
-            if meta is not None:
-                resume.load_states(self._hooks, self.datamodule, module, meta)
-            self._stop.reset()
-            self._progress.position = (self.current_epoch, skip)
-            _ = self.log_dir  # fixes the run directory on every process at once
-            self._fit_loop.run(module, train, val, batches, skip)
-        self._hand_back(module)
-        if training:
-            mapped = self._program.mapped
-            self._hooks("on_train_end", module)
-            if self._program.mapped != mapped:  # a callback replaced the state (SWA)
-                self._hand_back(module)
+                mapped = self._program.mapped
+                self._hooks("on_train_end", module)
+                if self._program.mapped != mapped:  # a callback replaced the state (SWA)
+                    self._hand_back(module)
+        finally:
+            self._train_loader = None
         self._hooks("on_fit_end", module)
 
     def _hand_back(self, module: JaxModule) -> None:

@@ -10,6 +10,7 @@ from jaxlightning.callbacks.monitors import ModelSummary as ModelSummary
 from jaxlightning.callbacks.monitors import ThroughputMonitor as ThroughputMonitor
 from jaxlightning.callbacks.monitors import Timer as Timer
 from jaxlightning.callbacks.progress import TQDMProgressBar as TQDMProgressBar
+from jaxlightning.callbacks.swa import StochasticWeightAveraging as StochasticWeightAveraging
 from jaxlightning.callbacks.view import TrainerView as TrainerView
 
 

@@ -121,6 +121,11 @@ class TrainerView(Protocol):
         """Replaces the train state by ``fn(state)``, run on the devices."""
         ...
 
+    def recompute_batch_statistics(self) -> None:
+        """During `fit`: the state's ``batch_stats`` recomputed over one pass of
+        the training data (torch's ``update_bn``)."""
+        ...
+
     def checkpoint_payload(self, module: JaxModule) -> tuple[Any, dict[str, Any]]:
         """What a checkpoint of the run holds now: arrays and a JSON record."""
         ...

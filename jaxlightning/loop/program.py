@@ -49,6 +49,7 @@ from jaxlightning.step import (
     build_eval_step,
     build_flush,
     build_predict_step,
+    build_statistics_step,
     build_train_parts,
     build_train_step,
     checked_setup,
@@ -291,14 +292,10 @@ class Program:
         if not values:
             return
 
-        def put(leaf: jax.Array, value: Any) -> jax.Array:
-            host = np.broadcast_to(np.asarray(value, leaf.dtype), leaf.shape)
-            return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda i: host[i])
-
         def replace(node: Any) -> Any:
             if not isinstance(node, kind):
                 return node
-            return node._replace(**{f: put(getattr(node, f), v) for f, v in values.items()})
+            return node._replace(**{f: _put_like(getattr(node, f), v) for f, v in values.items()})
 
         found = []
 
@@ -324,6 +321,33 @@ class Program:
         same on every device (after the steps in flight)."""
         self.drain()
         self._state = self.strategy.compile_global(fn)(self.live_state())
+        self.mapped += 1
+
+    def recompute_batch_statistics(self, module: JaxModule, batches: Any) -> None:
+        """Sets the state's ``batch_stats`` to the mean over ``batches`` of each
+        batch's statistics under the state's parameters (`build_statistics_step`)."""
+        state = self.live_state()
+        step = self.strategy.compile(
+            build_statistics_step(module, self.seed, self.options.precision),
+            sharded_args=(False, False, True, True),
+            sharded_out=False,
+        )
+        local = jax.eval_shape(self.strategy.unreplicate, state.model_state["batch_stats"])
+        zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), local)
+        acc = self.strategy.replicate((zeros, np.zeros((), np.int32)))
+        for batch in batches:
+            acc = step(state.variables, acc, batch.data, batch.mask)
+            self.throttle(acc)
+        self.drain()
+        sums, n = self.fetch(acc)
+        if int(n) == 0:
+            return
+        stats = jax.tree.map(
+            lambda leaf, total: _put_like(leaf, np.asarray(total) / int(n)),
+            state.model_state["batch_stats"],
+            sums,
+        )
+        self._state = state.replace(model_state={**state.model_state, "batch_stats": stats})
         self.mapped += 1
 
     def train_cost(self) -> StepCost | None:
@@ -514,6 +538,12 @@ class Program:
                 sharded_out=True,
             )
         return self._eval_fns[key]
+
+
+def _put_like(leaf: jax.Array, value: Any) -> jax.Array:
+    """Host ``value`` (broadcast to ``leaf``'s shape) placed as ``leaf`` is."""
+    host = np.broadcast_to(np.asarray(value, leaf.dtype), leaf.shape)
+    return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda i: host[i])
 
 
 def _abstract(x: Any) -> Any:
