@@ -24,6 +24,7 @@ from jaxlightning.plateau import ReduceLROnPlateau as ReduceLROnPlateau
 from jaxlightning.rank_zero import rank_zero_info as rank_zero_info
 from jaxlightning.rank_zero import rank_zero_only as rank_zero_only
 from jaxlightning.rank_zero import rank_zero_warn as rank_zero_warn
+from jaxlightning.rollback import Rollback as Rollback
 from jaxlightning.seed import seed_everything as seed_everything
 from jaxlightning.state import TrainState as TrainState
 from jaxlightning.step import AXIS as AXIS

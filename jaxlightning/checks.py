@@ -18,6 +18,7 @@ import optax
 from jaxlightning.loss_scale import with_loss_scale
 from jaxlightning.optimizers import ALL, Groups, by_group
 from jaxlightning.plateau import ReduceLROnPlateau, plateau_scale
+from jaxlightning.rollback import Rollback
 from jaxlightning.step import StepOptions
 from jaxlightning.strategies.shard_map import ShardMapStrategy
 
@@ -75,10 +76,13 @@ def step_options(
     on_nonfinite: Any = "raise",
 ) -> StepOptions:
     """The train step's gradient options, checked."""
-    if on_nonfinite not in ("raise", "skip"):
+    if isinstance(on_nonfinite, Rollback):
+        on_nonfinite = "rollback"
+    if on_nonfinite not in ("raise", "skip", "rollback"):
         raise ValueError(
-            f"on_nonfinite={on_nonfinite!r}: use 'raise' (stop at the next report) or 'skip' "
-            "(leave out each update whose loss or gradient is not finite)"
+            f"on_nonfinite={on_nonfinite!r}: use 'raise' (stop at the next report), 'skip' "
+            "(leave out each update whose loss or gradient is not finite) or 'rollback' "
+            "(or jl.Rollback(...): go back to the last good state and skip the batches since)"
         )
     accumulate = int_arg("accumulate_grad_batches", accumulate, minimum=1)
     if accumulate > 1 and log_grad_norm:

@@ -33,6 +33,7 @@ from jaxlightning.loss_scale import LossScaleState, next_scale
 from jaxlightning.losses import loss_terms, pmean_floats
 from jaxlightning.metrics import (
     Average,
+    Extreme,
     LogOptions,
     Rows,
     Total,
@@ -67,8 +68,11 @@ class StepOptions:
             is then an `AccumulatingState` that sums their gradients.
         precision: see `jaxlightning.precision`.
         on_nonfinite: ``"raise"`` (apply every update; the loop raises at the
-            next report when a loss was not finite) or ``"skip"`` (an update
-            whose loss or gradient is not finite leaves the state as it was).
+            next report when a loss was not finite), ``"skip"`` (an update
+            whose loss or gradient is not finite leaves the state as it was) or
+            ``"rollback"`` (apply every update and log each interval's largest
+            step loss, ``loss_max``: the loop goes back to its last good state
+            when a check finds a bad one; see `jaxlightning.rollback`).
     """
 
     gradient_clip_val: float | None = None
@@ -109,6 +113,9 @@ GRAD_NORM_OPTIONS = LogOptions(on_step=True, on_epoch=False)
 # Under on_nonfinite="skip": the updates skipped in each logging interval.
 SKIPPED = "skipped_updates"
 SKIPPED_OPTIONS = LogOptions(on_step=True, on_epoch=False, reduce_fx="sum")
+# Under on_nonfinite="rollback": the largest step loss of each logging interval.
+LOSS_MAX = "loss_max"
+LOSS_MAX_OPTIONS = LogOptions(on_step=True, on_epoch=False, reduce_fx="max")
 
 
 @flax.struct.dataclass
@@ -294,6 +301,8 @@ def zero_train_metrics(
         logged["loss"] = LOSS_OPTIONS
         if options.log_grad_norm:
             logged["grad_norm"] = GRAD_NORM_OPTIONS
+        if options.on_nonfinite == "rollback":
+            logged[LOSS_MAX] = LOSS_MAX_OPTIONS
     if options.skip_nonfinite:
         logged[SKIPPED] = SKIPPED_OPTIONS
     hook = "training_step" if is_manual(module) else "loss"
@@ -427,6 +436,12 @@ def build_train_parts(
         finite = jnp.isfinite(metrics["loss"].total)
         if options.skip_nonfinite:
             finite = finite & all_finite(grads)
+        if options.on_nonfinite == "rollback":  # this (micro-)batch's loss, for the spike rule
+            seen = n_real > 0
+            loss = jnp.where(seen, metrics["loss"].total / jnp.maximum(n_real, 1), -jnp.inf)
+            metrics[LOSS_MAX] = Extreme(
+                value=loss.astype(jnp.float32), count=seen.astype(jnp.int32), op="max"
+            )
         if k > 1:  # sum this micro-batch in; update once k are in
             kept = state
             state = state.accumulate(grads, n_real).replace(

@@ -37,10 +37,12 @@ from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.program import NonFiniteLossError, Program
 from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.reporter import Reporter, as_loggers
+from jaxlightning.loop.rollback import RollbackGuard
 from jaxlightning.loop.stop import StopPolicy
 from jaxlightning.module import JaxModule
 from jaxlightning.plateau import PlateauStepper
 from jaxlightning.precision import resolve as precision_setting
+from jaxlightning.rollback import Rollback
 from jaxlightning.schedule import Schedule, parse_max_time
 from jaxlightning.seed import default_seed
 from jaxlightning.state import TrainState
@@ -142,6 +144,14 @@ class Trainer:
             reports how many it skipped as ``train/skipped_updates``. With
             ``accumulate_grad_batches`` a bad micro-batch is left out of its
             update's mean. ``global_step`` still counts the skipped batches.
+            ``"rollback"`` (or a `jl.Rollback` with its settings): where the
+            loop acts on the state (each report, a validation or step-counted
+            checkpoint, an epoch's end) a non-finite loss or a loss spike since
+            the last such point sends the state back to it, skips the batches
+            since and trains on, a bounded number of times in a row; each
+            rollback is printed, logged as ``train/rollbacks`` and kept in the
+            checkpoint record. It holds a second copy of the state on the
+            devices.
         use_distributed_sampler: let the Trainer own the order of plain
             DataLoaders (seeded per epoch, each process reading only its share),
             which makes runs reproducible and resumable mid-epoch without
@@ -212,7 +222,7 @@ class Trainer:
         callbacks: Sequence[Callback] | Callback | None = None,
         enable_checkpointing: bool = True,
         stop_on_nonfinite_loss: bool = True,
-        on_nonfinite: str = "raise",
+        on_nonfinite: str | Rollback = "raise",
         use_distributed_sampler: bool = True,
         data_on_device: bool | str = "auto",
         steps_per_execution: int = 1,
@@ -266,8 +276,11 @@ class Trainer:
         steps_per_execution = checks.steps_per_execution(steps_per_execution, self.strategy)
         if logger is True:
             logger = TensorBoardLogger(self.default_root_dir)
+        rollback = on_nonfinite if isinstance(on_nonfinite, Rollback) else None
+        if on_nonfinite == "rollback":
+            rollback = Rollback()
         self.callbacks: list[Callback] = with_defaults(
-            as_list(callbacks),
+            as_list(callbacks) + ([rollback] if rollback is not None else []),
             checkpointing=enable_checkpointing,
             progress_bar=enable_progress_bar,
             summary=enable_model_summary,
@@ -294,7 +307,7 @@ class Trainer:
         )
         self._program = program = Program(
             self.strategy, options, seed=seed, progress=progress,
-            stop_on_nonfinite_loss=stop_on_nonfinite_loss,
+            stop_on_nonfinite_loss=stop_on_nonfinite_loss and rollback is None,
             steps_per_execution=steps_per_execution,
         )  # fmt: skip
         self._evaluation = EvalLoop(
@@ -305,6 +318,7 @@ class Trainer:
             reporter=reporter, stop=self._stop, progress=progress, schedule=self.schedule,
             log_every_n_steps=checks.int_arg("log_every_n_steps", log_every_n_steps, minimum=1),
             num_sanity_val_steps=sanity,
+            guard=rollback and RollbackGuard(rollback, program, progress, reporter),
         )  # fmt: skip
 
     # ------------------------------------------------------------ properties

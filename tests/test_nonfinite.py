@@ -54,9 +54,9 @@ def test_a_skipped_accumulated_update_is_as_if_its_batches_were_absent():
     assert int(skipping.state.step) == 3
 
 
-def test_on_nonfinite_choices_other_than_raise_and_skip_are_named():
-    with pytest.raises(ValueError, match="on_nonfinite='rollback': use 'raise'.*or 'skip'"):
-        quiet_trainer(on_nonfinite="rollback")
+def test_on_nonfinite_choices_other_than_raise_skip_and_rollback_are_named():
+    with pytest.raises(ValueError, match="on_nonfinite='ignore': use 'raise'.*'skip'.*'rollback'"):
+        quiet_trainer(on_nonfinite="ignore")
 
 
 def test_float16_mixed_learns_digits_within_a_point_of_float32():

@@ -18,6 +18,7 @@ from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.program import Program
 from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.reporter import Reporter, report
+from jaxlightning.loop.rollback import RollbackGuard
 from jaxlightning.loop.stop import StopPolicy
 from jaxlightning.module import JaxModule
 from jaxlightning.schedule import Schedule
@@ -36,6 +37,8 @@ class FitLoop:
         schedule: when to validate.
         log_every_n_steps: report ``train/*`` values every this many updates.
         num_sanity_val_steps: validation batches run before training (-1: all).
+        guard: under ``on_nonfinite="rollback"``, checks the state where the
+            loop acts on it and goes back to the last good one.
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class FitLoop:
         schedule: Schedule,
         log_every_n_steps: int,
         num_sanity_val_steps: int,
+        guard: RollbackGuard | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.program = program
@@ -62,6 +66,7 @@ class FitLoop:
         self.schedule = schedule
         self.log_every_n_steps = log_every_n_steps
         self.num_sanity_val_steps = num_sanity_val_steps
+        self.guard = guard
         self.validate_at_epoch_end = False
         self._last_validation = 0.0  # monotonic time of the last validation (duration rule)
 
@@ -92,6 +97,8 @@ class FitLoop:
                 self._sanity_check(module, val_loaders)
                 if epochs:
                     self.hooks("on_train_start", module)
+                if self.guard is not None:
+                    self.guard.mark_good()  # the state training starts from
                 self.stop.start_clock()
                 self._last_validation = self._clock()
                 for epoch in epochs:
@@ -206,18 +213,23 @@ class FitLoop:
         if run == progress.num_training_batches:
             return True
         step, updated = progress.step_after(size)
-        if updated and step % self.log_every_n_steps == 0:
+        if updated and (step % self.log_every_n_steps == 0 or self._checkpoint_due(step)):
             return True
-        for checkpoint in self.hooks.of_type(ModelCheckpoint):
-            n = checkpoint.every_n_train_steps
-            if updated and n >= 1 and step % n == 0:
-                return True
         schedule = self.schedule
         if val_loaders is None or not schedule.validates_in(epoch):
             return False
         return schedule.val_check_seconds is None and schedule.validate_after_batch(
             epoch, done, epoch_batches, progress.total_batches + size
         )
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """Whether a `ModelCheckpoint` saves after update ``step`` (its
+        ``every_n_train_steps``)."""
+        for checkpoint in self.hooks.of_type(ModelCheckpoint):
+            n = checkpoint.every_n_train_steps
+            if n >= 1 and step % n == 0:
+                return True
+        return False
 
     def _train_group(
         self,
@@ -248,6 +260,8 @@ class FitLoop:
                 at_report = updated and progress.global_step % self.log_every_n_steps == 0
                 if at_report:
                     self._report_train()
+                elif self.guard and updated and self._checkpoint_due(progress.global_step):
+                    self.guard.checked()  # a bad state is never saved
                 self.stop.poll_signal(at_report)
                 self.hooks("on_train_batch_end", module, batch_idx)
                 self.stop.poll_time(at_report)
@@ -276,6 +290,8 @@ class FitLoop:
         if done == total:
             self.validate_at_epoch_end = True
         else:
+            if self.guard is not None:
+                self.guard.checked()  # validate (and checkpoint) a good state only
             # set first: a checkpoint saved in its on_validation_end resumes after it
             self.progress.validated = True
             self.evaluation.evaluate("validation", module, val_loaders)
@@ -313,8 +329,13 @@ class FitLoop:
     def _report_train(self) -> None:
         """Reports the values of this logging interval and starts the next one."""
         acc = self.program.fetch_metrics()
-        self.reporter.publish(report("train", self.program.train_options, acc.metrics, "step"))
+        if self.guard is not None and self.guard.rolled_back(acc):
+            return  # the interval's values went with its state
+        values = report("train", self.program.train_options, acc.metrics, "step")
+        self.reporter.publish(values)
         self.program.reset_interval(acc)
+        if self.guard is not None:
+            self.guard.mark_good(values.values.get("train/loss"))
 
     def _end_train_epoch(self) -> None:
         """Reports the epoch's last (partial) interval and its ``on_epoch`` values.
@@ -325,15 +346,21 @@ class FitLoop:
         exactly as an uninterrupted run would.
         """
         acc = self.program.fetch_metrics()
+        if self.guard is not None and self.guard.rolled_back(acc):
+            acc = self.program.fetch_metrics()  # the good point's
         options = self.program.train_options
         values = report("train", options, acc.metrics, "step")
         values.update(report("train", options, acc.epoch, "epoch"))
         self.reporter.publish(values)
         if self.progress.epoch_completed:
             self.program.reset_epoch()
+        if self.guard is not None:
+            self.guard.mark_good(values.values.get("train/loss"))
 
     def _stop_on_signal(self, module: JaxModule) -> None:
         """Saves a resume point with every `ModelCheckpoint`, then exits."""
+        if self.guard is not None:
+            self.guard.checked()
         signum, step = self.stop.signum, self.progress.global_step
         name = signal.Signals(signum).name
         checkpoints = self.hooks.of_type(ModelCheckpoint)

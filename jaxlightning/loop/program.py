@@ -423,6 +423,16 @@ class Program:
             )
         return acc
 
+    def snapshot(self) -> tuple[TrainState, TrainMetrics]:
+        """A copy, on the devices, of the train state and the accumulators,
+        which later steps leave valid (`restore` puts it back)."""
+        return jax.tree.map(lambda x: x.copy(), (self.live_state(), self._acc))
+
+    def restore(self, snapshot: tuple[TrainState, TrainMetrics]) -> None:
+        """Puts a `snapshot` back (a copy of it: it stays valid for another)."""
+        self.drain()
+        self._state, self._acc = jax.tree.map(lambda x: x.copy(), snapshot)
+
     def reset_interval(self, acc: TrainMetrics) -> None:
         """Starts the next logging interval (``acc``: the fetched accumulator)."""
         assert self._acc is not None and self._acc0 is not None
