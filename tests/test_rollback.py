@@ -176,3 +176,25 @@ def test_the_spike_rule_and_bad_settings():
     for bad in (dict(spike_factor=1.0), dict(window=0), dict(max_retries=0), dict(lr_factor=2)):
         with pytest.raises(ValueError, match=f"Rollback\\({next(iter(bad))}="):
             jl.Rollback(**bad)
+
+
+@pytest.mark.parametrize(
+    "setting, kept",
+    [
+        # update 3 = batches 4-5; reports at updates 2 and 4: back to 2, batches 4-7 out
+        (dict(accumulate_grad_batches=2), np.r_[0:32]),
+        # two batches per dispatch: the report at update 6 still finds it
+        (dict(steps_per_execution=2), np.r_[0:32, 48:64]),
+    ],
+)
+def test_rollback_under_accumulation_and_several_steps_per_dispatch(setting, kept):
+    x, y = digits(64)
+    bad = x.copy()
+    bad[33] = np.nan  # batch 4
+    common = dict(max_epochs=1, devices=2, log_every_n_steps=2, **setting)
+    rolling = quiet_trainer(on_nonfinite="rollback", **common)
+    rolling.fit(LitMLP(), loader(bad, y, 8))
+    absent = quiet_trainer(**common)
+    absent.fit(LitMLP(), loader(x[kept], y[kept], 8))
+    _assert_bitwise_equal(_params(rolling), _params(absent))
+    assert rolling.global_step == absent.global_step
