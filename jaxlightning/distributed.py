@@ -21,31 +21,23 @@ ENV_PROCESS_ID = "JAXLIGHTNING_PROCESS_ID"
 ENV_TIMEOUT = "JAXLIGHTNING_INIT_TIMEOUT"
 
 
-def _cluster_detected() -> bool:
-    """Whether JAX's own cluster detection (SLURM, Open MPI, Kubernetes...) applies."""
-    try:
-        from jax._src import clusters
+# Launchers whose processes `jax.distributed.initialize()` finds its job from
+# (its cluster detection, which has no public query), by the variables it
+# reads: SLURM's srun (a job step's tasks) and Open MPI's mpirun.
+_CLUSTER_VARIABLES = (
+    ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),
+    ("OMPI_MCA_orte_hnp_uri",),
+)
 
-        return any(
-            env.is_env_present() and env.opt_in_only_method is False
-            for env in clusters.ClusterEnv._cluster_types
-        )
-    except Exception:  # private API moved: fall back to explicit variables only
-        return False
+
+def _cluster_detected() -> bool:
+    """Whether this process was started by srun or mpirun (see `_CLUSTER_VARIABLES`)."""
+    return any(all(name in os.environ for name in names) for names in _CLUSTER_VARIABLES)
 
 
 def launched() -> bool:
     """Whether this process was started as part of a multi-process job."""
     return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or _cluster_detected()
-
-
-def _backend_started() -> bool:
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge._backends)
-    except Exception:
-        return False
 
 
 def initialize(num_nodes: int | None = None, *, timeout_s: int | None = None) -> None:
@@ -73,12 +65,6 @@ def initialize(num_nodes: int | None = None, *, timeout_s: int | None = None) ->
                 f"JAX_COORDINATOR_ADDRESS, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}"
             )
         return
-    if _backend_started():
-        raise RuntimeError(
-            "this process is part of a multi-process job, but JAX was used before the "
-            "Trainer could call jax.distributed.initialize(); create the Trainer (or call "
-            "jax.distributed.initialize()) before touching jax arrays or devices"
-        )
     timeout = timeout_s or int(os.environ.get(ENV_TIMEOUT, "300"))
     kwargs: dict[str, Any] = {"initialization_timeout": timeout}
     if os.environ.get(ENV_NUM_PROCESSES):
@@ -94,13 +80,25 @@ def initialize(num_nodes: int | None = None, *, timeout_s: int | None = None) ->
         _wait_for_coordinator(address, timeout)
     try:
         jax.distributed.initialize(**kwargs)
+    except RuntimeError as exc:
+        if "must be called before" in str(exc):  # JAX's backends started already
+            raise RuntimeError(
+                "this process is part of a multi-process job, but JAX was used before the "
+                "Trainer could call jax.distributed.initialize(); create the Trainer (or call "
+                "jax.distributed.initialize()) before touching jax arrays or devices"
+            ) from exc
+        raise _join_failed(address, timeout, exc) from exc
     except Exception as exc:
-        raise RuntimeError(
-            f"could not join the multi-process job through coordinator {address} within "
-            f"{timeout} s: {exc}. Check that process 0 is running and the address is "
-            "reachable from here"
-        ) from exc
+        raise _join_failed(address, timeout, exc) from exc
     _check_count(num_nodes)
+
+
+def _join_failed(address: str, timeout: int, exc: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"could not join the multi-process job through coordinator {address} within "
+        f"{timeout} s: {exc}. Check that process 0 is running and the address is "
+        "reachable from here"
+    )
 
 
 def _wait_for_coordinator(address: str, timeout_s: float) -> None:

@@ -231,3 +231,23 @@ def test_nnx_model_not_kept_as_self_model_says_where_to_keep_it():
         r"trains an NNX model kept as self.model. Assign it to self.model",
     ):
         quiet_trainer(max_steps=1).fit(Elsewhere(), loader(*digits(16), 8))
+
+
+def test_a_process_started_by_srun_or_mpirun_counts_as_part_of_a_job(monkeypatch):
+    from jaxlightning import distributed
+
+    for name in ("JAX_COORDINATOR_ADDRESS", "OMPI_MCA_orte_hnp_uri", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert not distributed.launched()
+    monkeypatch.setenv("SLURM_JOB_ID", "7")  # sbatch alone (no srun step): one process
+    assert not distributed.launched()
+    for name, value in (
+        ("SLURM_STEP_NODELIST", "n[1-2]"), ("SLURM_NTASKS", "2"), ("SLURM_PROCID", "1"),
+        ("SLURM_LOCALID", "0"),
+    ):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    assert distributed.launched()
+    for name in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "123.0;tcp://10.0.0.1:4000")
+    assert distributed.launched()

@@ -263,7 +263,10 @@ def test_unreachable_coordinator_fails_with_address_not_a_hang():
 
 
 def test_using_jax_before_the_trainer_in_a_job_is_explained():
-    done = _alone("import jax.numpy as jnp, jaxlightning as jl; jnp.ones(2) + 1; jl.Trainer()")
+    # As process 0, which does not wait for a coordinator: JAX's own check
+    # (its backends already started) fails before anything connects.
+    code = "import jax.numpy as jnp, jaxlightning as jl; jnp.ones(2) + 1; jl.Trainer()"
+    done = _alone(code, JAXLIGHTNING_PROCESS_ID="0")
     assert done.returncode == 1
     assert "JAX was used before the Trainer could call jax.distributed.initialize()" in (
         done.stderr

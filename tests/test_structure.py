@@ -96,3 +96,20 @@ def test_callbacks_do_not_import_the_trainer():
             assert not {
                 d for d in deps if d.startswith(("jaxlightning.trainer", "jaxlightning.loop"))
             }, name
+
+
+def test_only_public_jax_apis_are_used():
+    # jax._src and private attributes move between releases (the project
+    # supports several): the package reaches JAX through its public modules only.
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                if name.split(".")[0] in ("jax", "jaxlib"):
+                    assert not any(p.startswith("_") for p in name.split(".")), (
+                        f"{path.relative_to(PACKAGE)} imports {name}"
+                    )
