@@ -349,6 +349,40 @@ def slow_loader(size: dict[str, int], rounds: int) -> dict[str, Any]:
     }
 
 
+def checkpoint_stall(size: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Arm 12: how long `CheckpointWriter.save` holds the training thread for a
+    host state of ``state_mib`` MiB (the pmap path's), beside the CRC32 pass
+    that ran on that thread before the checksums moved to their own."""
+    import shutil
+
+    from jaxlightning import checkpoint as ck
+
+    rng = np.random.default_rng(0)
+    n = size["state_mib"] * 2**20 // 4 // 8
+    state = {"params": {f"w{i}": rng.standard_normal(n, dtype=np.float32) for i in range(8)}}
+    folder = tempfile.mkdtemp(prefix="jl-bench-stall-")
+    saves, crcs = [], []
+    try:
+        writer = ck.CheckpointWriter(folder)
+        for r in range(max(rounds, 3)):
+            start = time.perf_counter()
+            ck.checksums(state)
+            crcs.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            writer.save(r + 1, state, {"step": r + 1})
+            saves.append(time.perf_counter() - start)
+            writer.wait()
+        writer.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {
+        "state_mib": size["state_mib"],
+        "save_stall_s": _median(saves),
+        "checksum_pass_s": _median(crcs),
+        "stall_now_over_before": _median([s / (s + c) for s, c in zip(saves, crcs, strict=True)]),
+    }
+
+
 def _startup(framework: str, cache: str | None, samples: int, host: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as root:
         cmd = [

@@ -21,11 +21,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 FULL = {
     "steps": 128, "epochs": 4, "fit_epochs": 10, "short_samples": 20000,
-    "gpt_layers": 8, "gpt_d_model": 512, "gpt_heads": 8, "gpt_batch": 64,
+    "gpt_layers": 8, "gpt_d_model": 512, "gpt_heads": 8, "gpt_batch": 64, "state_mib": 1024,
 }  # fmt: skip
 QUICK = {
     "steps": 6, "epochs": 2, "fit_epochs": 2, "short_samples": 512,
-    "gpt_layers": 2, "gpt_d_model": 32, "gpt_heads": 4, "gpt_batch": 16,
+    "gpt_layers": 2, "gpt_d_model": 32, "gpt_heads": 4, "gpt_batch": 16, "state_mib": 8,
 }  # fmt: skip
 
 GROUPS: dict[str, tuple[int, list[str]]] = {
@@ -39,6 +39,7 @@ GROUPS: dict[str, tuple[int, list[str]]] = {
             "logging_cost",
             "slow_loader",
             "step_extras",
+            "checkpoint_stall",
         ],
     ),
     "multi": (8, ["vs_seeds_pmap", "strategies", "sharded", "sharded_memory"]),

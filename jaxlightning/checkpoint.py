@@ -2,10 +2,12 @@
 
 A checkpoint is one folder ``{dirpath}/{step}`` written by orbax: ``state``
 (arrays, one unreplicated copy, so it restores on any device count) and
-``meta`` (JSON: loop progress, callback states, hyperparameters, a CRC32 of
-every array). Orbax writes into a temporary folder and renames it when
-complete, so a folder whose name is a plain step number is always whole; a save
-interrupted by a crash leaves only a temporary folder that is never chosen.
+``meta`` (JSON: loop progress, callback states, hyperparameters), and
+``checksums.json`` (a CRC32 of every array, computed on a thread of its own
+while orbax writes, and written once both are done; checkpoints saved before
+it kept them in ``meta``). Orbax writes into a temporary folder and renames it
+when complete, so a folder whose name is a plain step number is always whole; a
+save interrupted by a crash leaves only a temporary folder that is never chosen.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
+import warnings
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +33,7 @@ import orbax.checkpoint as ocp
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"\d+")
 _PARAMS = "state/params/"
+CHECKSUMS = "checksums.json"
 
 
 class CheckpointError(ValueError):
@@ -51,20 +56,55 @@ def _key(path: Any) -> str:
     return "/".join(str(getattr(k, "key", k)) for k in path)
 
 
-def checksums(state_dict: Any) -> dict[str, int]:
-    """CRC32 of every array's bytes, by slash-joined key path.
-
-    Costs one pass over the host copy at save (about 2 GB/s on these CPUs) and
-    one at restore; catches bytes changed on disk that the file format itself
-    would load without complaint. Arrays split across processes (sharded
-    strategies) are left out: no process holds their bytes.
-    """
+def checksummed(state_dict: Any) -> dict[str, np.ndarray]:
+    """The arrays `checksums` covers, as host arrays, by slash-joined key path:
+    arrays split across processes (sharded strategies) are left out, as no
+    process holds their bytes. Host arrays are taken as they are; device
+    arrays are copied to the host (here: a later step may donate them)."""
     flat = jax.tree_util.tree_flatten_with_path(state_dict)[0]
     return {
-        _key(path): zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))
+        _key(path): np.asarray(leaf)
         for path, leaf in flat
         if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable or leaf.is_fully_replicated
     }
+
+
+def checksums(state_dict: Any) -> dict[str, int]:
+    """CRC32 of every array's bytes (`checksummed`), by slash-joined key path.
+
+    One pass over the host copy (about 2 GB/s on these CPUs; zlib lets other
+    threads run meanwhile); catches bytes changed on disk that the file format
+    itself would load without complaint.
+    """
+    return {
+        key: zlib.crc32(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))
+        for key, leaf in checksummed(state_dict).items()
+    }
+
+
+class _Checksums(threading.Thread):
+    """Computes `checksums` of a save's host arrays off the training thread and
+    writes them into the step's folder once orbax has renamed it into place,
+    which makes the checkpoint complete (`complete_checkpoints`)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], folder: str) -> None:
+        super().__init__(name="jaxlightning-checksums", daemon=True)
+        self._arrays: dict[str, np.ndarray] | None = arrays
+        self._folder = folder
+        self.cancelled = threading.Event()  # the save failed: its folder never comes
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            result = checksums(self._arrays)
+            self._arrays = None  # the host copy is not kept past its checksums
+            while not _has_arrays(self._folder):
+                if self.cancelled.wait(0.01):
+                    return
+            _write_json(os.path.join(self._folder, CHECKSUMS), result)
+        except BaseException as exc:  # raised by the writer's `wait`
+            self.error = exc
 
 
 def _restore_arg(leaf: Any) -> Any:
@@ -111,18 +151,22 @@ class CheckpointWriter:
             ),
         )
         self._pending: int | None = None
+        self._checksums: _Checksums | None = None  # of the pending save
         self._reported = False  # a save's failure was raised already
 
     def path(self, step: int) -> str:
         return os.path.join(self.dirpath, str(step))
 
     def save(self, step: int, tree: Any, meta: Mapping[str, Any]) -> str:
-        """Starts saving ``tree`` (host arrays) and ``meta`` as step ``step``."""
+        """Starts saving ``tree`` (host arrays) and ``meta`` as step ``step``;
+        its checksums are computed meanwhile on another thread and written by
+        `wait`, once orbax has finished (process 0's: it writes the record)."""
         self.wait()
         state = flax.serialization.to_state_dict(tree)
-        record = dict(
-            meta, format_version=FORMAT_VERSION, saved_at=time.time(), checksums=checksums(state)
-        )
+        record = dict(meta, format_version=FORMAT_VERSION, saved_at=time.time())
+        record["checksums"] = CHECKSUMS  # where they are (a dict: inside, as saved before)
+        if jax.process_index() == 0:
+            self._checksums = _Checksums(checksummed(state), self.path(step))
         self._pending = step
         try:
             self._manager.save(
@@ -140,22 +184,38 @@ class CheckpointWriter:
 
     @property
     def saving(self) -> bool:
-        """Whether a save started by `save` is still being written."""
-        return self._pending is not None and self._manager.is_saving_in_progress()
+        """Whether a save started by `save` is still being written (or its
+        checksums computed)."""
+        if self._pending is None:
+            return False
+        summing = self._checksums is not None and self._checksums.is_alive()
+        return summing or self._manager.is_saving_in_progress()
 
     def wait(self) -> None:
-        """Waits for the pending save; raises `CheckpointError` if it failed."""
+        """Waits for the pending save and writes its checksums; raises
+        `CheckpointError` if it failed."""
         if self._pending is None:
             return
+        summing, self._checksums = self._checksums, None
         try:
             self._manager.wait_until_finished()
             self._manager.check_for_errors()
         except Exception as exc:
+            if summing is not None:
+                summing.cancelled.set()
+                summing.join()
             self._failed(exc)
+        if summing is not None:
+            summing.join()  # the folder is in place: its checksums follow at once
+            if summing.error is not None:
+                self._failed(summing.error)
         self._pending = None
 
-    def _failed(self, exc: Exception) -> None:
+    def _failed(self, exc: BaseException) -> None:
         step, self._pending = self._pending, None
+        summing, self._checksums = self._checksums, None
+        if summing is not None:  # a save that failed at once
+            summing.cancelled.set()
         self._reported = True
         # Free the disk space of the half-written folder; it is never chosen anyway.
         for tmp in glob.glob(os.path.join(self.dirpath, f"{step}.orbax-checkpoint-tmp*")):
@@ -188,6 +248,14 @@ class CheckpointWriter:
                     raise CheckpointError(f"closing {self.dirpath} failed: {exc}") from exc
 
 
+def _write_json(path: str, value: Any) -> None:
+    """Writes ``value`` to ``path`` whole or not at all (a temporary file renamed)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
 def complete_checkpoints(dirpath: str) -> list[str]:
     """Paths of the complete checkpoints in ``dirpath``, oldest step first."""
     if not os.path.isdir(dirpath):
@@ -198,14 +266,32 @@ def complete_checkpoints(dirpath: str) -> list[str]:
 
 
 def _is_complete(path: str) -> bool:
+    """Whether orbax finished the folder and, for a record that keeps its
+    checksums in their own file, that file was written too."""
+    return _has_arrays(path) and (
+        os.path.exists(os.path.join(path, CHECKSUMS)) or not _checksums_apart(path)
+    )
+
+
+def _has_arrays(path: str) -> bool:
     return all(os.path.isdir(os.path.join(path, item)) for item in ("state", "meta"))
+
+
+def _checksums_apart(path: str) -> bool:
+    """Whether the record says its checksums are in their own file (read as a
+    plain file: listing checkpoints should not start orbax)."""
+    try:
+        with open(os.path.join(path, "meta", "metadata")) as f:
+            return isinstance(json.load(f).get("checksums"), str)
+    except (OSError, ValueError, AttributeError):
+        return False  # an unreadable record is reported when it is read
 
 
 def _checked(path: str | os.PathLike[str]) -> str:
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    if not _is_complete(path):
+    if not _has_arrays(path):  # one whose checksums are missing restores unchecked
         raise CheckpointError(
             f"{path} is not a complete jaxlightning checkpoint (it needs the 'state' and "
             "'meta' folders orbax writes); pass the folder of one saved step"
@@ -465,6 +551,18 @@ def _verify(path: str, state: Any) -> None:
     recorded = read_meta(path).get("checksums")
     if recorded is None:  # written before checksums were recorded
         return
+    if isinstance(recorded, str):  # in their own file (a dict: in the record, as before)
+        try:
+            with open(os.path.join(path, recorded)) as f:
+                recorded = json.load(f)
+        except FileNotFoundError:
+            warnings.warn(
+                f"checkpoint {path} has no {recorded}: the run stopped after its arrays "
+                "were written but before their checksums were; restored without checking "
+                "them",
+                stacklevel=3,
+            )
+            return
     for key, crc in checksums(state).items():
         if key in recorded and recorded[key] != crc:  # not recorded: split across processes
             raise CheckpointError(

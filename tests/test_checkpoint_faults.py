@@ -2,6 +2,7 @@
 pruning, NaN scores, older resumes, "last", corrupted bytes; logs on a full
 disk never stop the run."""
 
+import json
 import os
 import re
 import shutil
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -251,11 +253,45 @@ def test_saving_costs_one_checksum_pass(tmp_path):
     x, y = digits(64)
     trainer = _checkpointing_trainer(tmp_path, 4)
     trainer.fit(LitMLP(), loader(x, y, 8))
-    meta = read_meta(tmp_path / "checkpoints" / "4")
-    state = restore(tmp_path / "checkpoints" / "4")
+    folder = tmp_path / "checkpoints" / "4"
+    meta = read_meta(folder)
+    state = restore(folder)
     import zlib
 
     kernel = np.ascontiguousarray(state["state"]["params"]["Dense_0"]["kernel"])
     expected = zlib.crc32(kernel.reshape(-1).view(np.uint8))
-    assert meta["checksums"]["state/params/Dense_0/kernel"] == expected
+    # Computed off the training thread, written beside the record once the save is done.
+    assert meta["checksums"] == "checksums.json"
+    recorded = json.loads((folder / "checksums.json").read_text())
+    assert recorded["state/params/Dense_0/kernel"] == expected
+    assert len(recorded) == len(jax.tree.leaves(state))
     shutil.rmtree(tmp_path / "checkpoints")
+
+
+def test_checksums_in_the_record_or_in_their_file_are_checked_and_a_missing_file_warns(
+    tmp_path,
+):
+    # Checkpoints saved before the checksums got their own file kept them in
+    # the record: they are still checked. A run that stopped between the
+    # arrays and their checksums leaves a checkpoint restored with a warning.
+    import orbax.checkpoint as ocp
+
+    from jaxlightning.checkpoint import FORMAT_VERSION, checksums
+
+    state = {"state": {"params": {"w": np.arange(6, dtype=np.float32)}}}
+    for name, recorded in (("1", checksums(state)), ("2", "checksums.json")):
+        meta = {"format_version": FORMAT_VERSION, "checksums": recorded}
+        ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(
+            tmp_path / name,
+            args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
+        )
+    np.testing.assert_array_equal(restore(tmp_path / "1")["state"]["params"]["w"], np.arange(6))
+    # Never chosen as "last" or kept as complete, but restorable when named.
+    assert complete_checkpoints(str(tmp_path)) == [str(tmp_path / "1")]
+    with pytest.warns(UserWarning, match="has no checksums.json: the run stopped"):
+        restore(tmp_path / "2")
+    bad = {"state/params/w": checksums(state)["state/params/w"] + 1}
+    (tmp_path / "2" / "checksums.json").write_text(json.dumps(bad))
+    assert len(complete_checkpoints(str(tmp_path))) == 2
+    with pytest.raises(jl.CheckpointError, match="array 'state/params/w' does not match"):
+        restore(tmp_path / "2")
