@@ -378,6 +378,15 @@ def fit_module(module: Any, options: StepOptions) -> bool:
     return manual
 
 
+def _leaves_alone(transform: Any, tx: Any) -> bool:
+    """Whether a callback's ``transform_optimizer`` returns ``tx`` unchanged
+    (a `Rollback` that lowers no rate, say)."""
+    try:
+        return transform(tx) is tx
+    except Exception:
+        return False
+
+
 def fit_optimizer(
     module: Any, manual: bool, options: StepOptions, callbacks: list[Any]
 ) -> tuple[Any, Any]:
@@ -396,10 +405,11 @@ def fit_optimizer(
     for callback in callbacks:
         transform = getattr(callback, "transform_optimizer", None)
         if transform is not None:
-            if manual:
+            if manual and not _leaves_alone(transform, tx):
                 raise ValueError(
                     f"{type(callback).__name__} changes the optimizer, which manual "
                     "optimization (training_step) does not support"
                 )
-            tx = transform(tx)
+            if not manual:
+                tx = transform(tx)
     return (with_loss_scale(tx) if options.loss_scaled else tx), plateau

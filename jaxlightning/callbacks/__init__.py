@@ -4,6 +4,8 @@ from jaxlightning.callbacks.base import Callback as Callback
 from jaxlightning.callbacks.checkpoint import ModelCheckpoint as ModelCheckpoint
 from jaxlightning.callbacks.early_stopping import EarlyStopping as EarlyStopping
 from jaxlightning.callbacks.ema import EMA as EMA
+from jaxlightning.callbacks.finetuning import BackboneFinetuning as BackboneFinetuning
+from jaxlightning.callbacks.finetuning import BaseFinetuning as BaseFinetuning
 from jaxlightning.callbacks.lr_monitor import LearningRateMonitor as LearningRateMonitor
 from jaxlightning.callbacks.monitors import JaxProfiler as JaxProfiler
 from jaxlightning.callbacks.monitors import ModelSummary as ModelSummary
