@@ -198,3 +198,32 @@ def test_rollback_under_accumulation_and_several_steps_per_dispatch(setting, kep
     absent.fit(LitMLP(), loader(x[kept], y[kept], 8))
     _assert_bitwise_equal(_params(rolling), _params(absent))
     assert rolling.global_step == absent.global_step
+
+
+def test_manual_optimization_rolls_back_on_a_non_finite_loss():
+    class Manual(jl.JaxModule):
+        def setup(self, rng, batch):
+            return LitMLP().net.init(rng, batch[0])
+
+        def configure_optimizers(self):
+            return optax.sgd(0.1)
+
+        def training_step(self, optimizers, batch, rngs):
+            x, y = batch
+
+            def loss(params):
+                logits = LitMLP().net.apply({"params": params}, x)
+                return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+            optimizers.step(loss)
+
+    x, y = digits(64)
+    bad = x.copy()
+    bad[33] = np.nan
+    kept = np.r_[0:32, 48:64]
+    common = dict(max_epochs=1, devices=2, log_every_n_steps=2)
+    rolling = quiet_trainer(on_nonfinite="rollback", **common)
+    rolling.fit(Manual(), loader(bad, y, 8))
+    absent = quiet_trainer(**common)
+    absent.fit(Manual(), loader(x[kept], y[kept], 8))
+    _assert_bitwise_equal(_params(rolling), _params(absent))
