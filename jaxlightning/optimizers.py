@@ -11,6 +11,7 @@ the updated discriminator, all in one compiled program per step.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -23,6 +24,52 @@ from jaxlightning.precision import for_compute
 from jaxlightning.state import TrainState, optimizer_update
 
 ALL = "*"  # the one group of a single transformation in manual optimization
+
+
+def walk_closures(
+    tx: Any,
+    visit: Callable[[Callable[..., Any], dict[str, Any]], bool],
+    *,
+    through_update: bool = False,
+    max_depth: int = 24,
+) -> None:
+    """Calls ``visit(fn, cells)`` for each function reachable from ``tx``
+    through the closures optax builds its transformations from (``chain``,
+    ``multi_transform``, ``MultiSteps``, other wrappers), ``cells`` its free
+    variables by name; descends into them unless ``visit`` returns True.
+    Transformations are entered through their ``init`` (and ``update`` with
+    ``through_update``); each object is visited once."""
+    seen: set[int] = set()
+
+    def walk(obj: Any, depth: int) -> None:
+        if depth > max_depth or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, optax.GradientTransformation):
+            walk(obj.init, depth + 1)
+            if through_update:
+                walk(obj.update, depth + 1)
+        elif callable(getattr(obj, "gradient_transformation", None)):  # optax.MultiSteps
+            walk(obj.gradient_transformation(), depth + 1)
+        elif inspect.ismethod(obj):
+            walk(vars(obj.__self__), depth + 1)
+        elif isinstance(obj, (tuple, list)):
+            for item in obj:
+                walk(item, depth + 1)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                walk(item, depth + 1)
+        elif inspect.isfunction(obj) and obj.__closure__:
+            cells = {
+                name: cell.cell_contents
+                for name, cell in zip(obj.__code__.co_freevars, obj.__closure__, strict=True)
+                if name not in ("self", "__class__")
+            }
+            if not visit(obj, cells):
+                for value in cells.values():
+                    walk(value, depth + 1)
+
+    walk(tx, 0)
 
 
 def _labels(groups: Mapping[str, Any]) -> Callable[[Any], Any]:

@@ -33,14 +33,16 @@ class PlateauScaleState(NamedTuple):
     scale: jax.Array
 
 
-def plateau_scale() -> optax.GradientTransformation:
-    """Multiplies updates by the scale in its state (`PlateauScaleState`)."""
+def plateau_scale(kind: type = PlateauScaleState) -> optax.GradientTransformation:
+    """Multiplies updates by the scale in its state, a ``kind`` (a NamedTuple
+    with one field, ``scale``, from 1: the host writes it; `PlateauScaleState`
+    here, `RollbackScaleState` for rollbacks)."""
 
-    def init(params: Any) -> PlateauScaleState:
+    def init(params: Any) -> Any:
         del params
-        return PlateauScaleState(jnp.ones((), jnp.float32))
+        return kind(jnp.ones((), jnp.float32))
 
-    def update(updates: Any, state: PlateauScaleState, params: Any = None) -> Any:
+    def update(updates: Any, state: Any, params: Any = None) -> Any:
         del params
         return jax.tree.map(lambda u: u * state.scale.astype(u.dtype), updates), state
 

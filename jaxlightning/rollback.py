@@ -22,31 +22,17 @@ import math
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from jaxlightning.callbacks.base import Callback
+from jaxlightning.plateau import plateau_scale
 
 
 class RollbackScaleState(NamedTuple):
     """The factor every update is multiplied by (1 until a rollback lowers it)."""
 
     scale: jax.Array
-
-
-def rollback_scale() -> optax.GradientTransformation:
-    """Multiplies updates by the scale in its state (`RollbackScaleState`)."""
-
-    def init(params: Any) -> RollbackScaleState:
-        del params
-        return RollbackScaleState(jnp.ones((), jnp.float32))
-
-    def update(updates: Any, state: RollbackScaleState, params: Any = None) -> Any:
-        del params
-        return jax.tree.map(lambda u: u * state.scale.astype(u.dtype), updates), state
-
-    return optax.GradientTransformation(init, update)
 
 
 class Rollback(Callback):
@@ -140,7 +126,7 @@ class Rollback(Callback):
     def transform_optimizer(self, tx: optax.GradientTransformation) -> Any:
         if self.lr_factor == 1.0:
             return tx
-        return optax.chain(tx, rollback_scale())
+        return optax.chain(tx, plateau_scale(RollbackScaleState))
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -200,3 +200,13 @@ def load_example(name: str):
     sys.modules[module_name] = module  # flax modules are dataclasses: they need it
     spec.loader.exec_module(module)
     return module
+
+
+def trained_params(trainer) -> dict:
+    """The trainer's parameters as host numpy arrays."""
+    return jax.tree.map(np.asarray, trainer.state.params)
+
+
+def assert_bitwise_equal(a, b) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
-from tests.helpers import LitMLP, digits, loader, quiet_trainer
-
-
-def _params(trainer):
-    return jax.tree.map(np.asarray, trainer.state.params)
-
-
-def _assert_bitwise_equal(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(x, y)
+from tests.helpers import (
+    LitMLP,
+    assert_bitwise_equal,
+    digits,
+    loader,
+    quiet_trainer,
+    trained_params,
+)
 
 
 @pytest.mark.parametrize("strategy", ["auto", "fsdp"])
@@ -32,7 +29,7 @@ def test_a_nan_batch_is_skipped_as_if_it_were_absent(strategy):
     absent = quiet_trainer(**common)
     absent.fit(LitMLP(dropout=0.1), loader(x[kept], y[kept], 8))
 
-    _assert_bitwise_equal(_params(skipping), _params(absent))
+    assert_bitwise_equal(trained_params(skipping), trained_params(absent))
     assert int(skipping.state.step) == int(absent.state.step) == 7
     assert skipping.global_step == 8  # the host counts the batch it trained on
     metrics = skipping.callback_metrics
@@ -50,7 +47,7 @@ def test_a_skipped_accumulated_update_is_as_if_its_batches_were_absent():
     skipping.fit(LitMLP(), loader(bad, y, 8))
     absent = quiet_trainer(**common)
     absent.fit(LitMLP(), loader(x[kept], y[kept], 8))
-    _assert_bitwise_equal(_params(skipping), _params(absent))
+    assert_bitwise_equal(trained_params(skipping), trained_params(absent))
     assert int(skipping.state.step) == 3
 
 

@@ -12,16 +12,14 @@ import pytest
 import jaxlightning as jl
 from jaxlightning.checkpoint import read_meta
 from jaxlightning.rollback import RollbackScaleState
-from tests.helpers import LitMLP, digits, loader, quiet_trainer
-
-
-def _params(trainer):
-    return jax.tree.map(np.asarray, trainer.state.params)
-
-
-def _assert_bitwise_equal(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(x, y)
+from tests.helpers import (
+    LitMLP,
+    assert_bitwise_equal,
+    digits,
+    loader,
+    quiet_trainer,
+    trained_params,
+)
 
 
 @pytest.mark.parametrize("strategy", ["auto", "fsdp"])
@@ -39,7 +37,7 @@ def test_a_nan_at_update_5_goes_back_to_the_last_report_and_skips_the_batches_si
     absent = quiet_trainer(**common)
     absent.fit(LitMLP(dropout=0.1), loader(x[kept], y[kept], 8))
 
-    _assert_bitwise_equal(_params(rolling), _params(absent))
+    assert_bitwise_equal(trained_params(rolling), trained_params(absent))
     assert rolling.global_step == int(rolling.state.step) == 6
     (event,) = policy.events
     assert event["step"] == 6 and event["to_step"] == 4 and event["batches_skipped"] == 2
@@ -63,14 +61,14 @@ def test_a_loss_spike_rolls_back_and_training_equals_a_run_without_those_batches
     absent = quiet_trainer(**common)
     absent.fit(LitMLP(), loader(x[kept], y[kept], 8))
 
-    _assert_bitwise_equal(_params(rolling), _params(absent))
+    assert_bitwise_equal(trained_params(rolling), trained_params(absent))
     (event,) = policy.events
     assert event["to_step"] == 20 and event["batches_skipped"] == 2
     assert event["reason"].startswith("a loss spike (")
     # Without the rollback the spike's update is trained on.
     plain = quiet_trainer(**common)
     plain.fit(LitMLP(), loader(bad, y, 8))
-    trained, clean = _params(plain)["Dense_0"], _params(absent)["Dense_0"]
+    trained, clean = trained_params(plain)["Dense_0"], trained_params(absent)["Dense_0"]
     assert not np.allclose(trained["kernel"], clean["kernel"])
 
 
@@ -88,7 +86,7 @@ def test_a_step_counted_checkpoint_is_checked_first_and_the_record_keeps_the_eve
     absent = quiet_trainer(max_epochs=1, devices=2)
     absent.fit(LitMLP(), loader(x[kept], y[kept], 8))
 
-    _assert_bitwise_equal(_params(rolling), _params(absent))
+    assert_bitwise_equal(trained_params(rolling), trained_params(absent))
     assert rolling.global_step == 11
     meta = read_meta(checkpoint.last_model_path)
     (event,) = meta["callbacks"]["Rollback"]["events"]
@@ -118,7 +116,7 @@ def test_a_rolled_back_run_resumes_bitwise(tmp_path):
     )  # fmt: skip
     second.fit(LitMLP(dropout=0.1), loader(bad, y, 8), ckpt_path="last")
 
-    _assert_bitwise_equal(_params(second), _params(straight))
+    assert_bitwise_equal(trained_params(second), trained_params(straight))
     assert second.global_step == straight.global_step == 12
     assert policy.events == straight_policy.events and len(policy.events) == 2
     assert policy.history == straight_policy.history
@@ -141,7 +139,8 @@ def test_lr_factor_scales_every_update_after_a_rollback():
     absent = quiet_trainer(max_epochs=1, devices=2, log_every_n_steps=2)
     absent.fit(HalvedAfterUpdate4(), loader(x[kept], y[kept], 8))
 
-    pairs = zip(jax.tree.leaves(_params(rolling)), jax.tree.leaves(_params(absent)), strict=True)
+    rolled, halved = trained_params(rolling), trained_params(absent)
+    pairs = zip(jax.tree.leaves(rolled), jax.tree.leaves(halved), strict=True)
     for a, b in pairs:
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-7)
 
@@ -196,7 +195,7 @@ def test_rollback_under_accumulation_and_several_steps_per_dispatch(setting, kep
     rolling.fit(LitMLP(), loader(bad, y, 8))
     absent = quiet_trainer(**common)
     absent.fit(LitMLP(), loader(x[kept], y[kept], 8))
-    _assert_bitwise_equal(_params(rolling), _params(absent))
+    assert_bitwise_equal(trained_params(rolling), trained_params(absent))
     assert rolling.global_step == absent.global_step
 
 
@@ -226,4 +225,4 @@ def test_manual_optimization_rolls_back_on_a_non_finite_loss():
     rolling.fit(Manual(), loader(bad, y, 8))
     absent = quiet_trainer(**common)
     absent.fit(Manual(), loader(x[kept], y[kept], 8))
-    _assert_bitwise_equal(_params(rolling), _params(absent))
+    assert_bitwise_equal(trained_params(rolling), trained_params(absent))

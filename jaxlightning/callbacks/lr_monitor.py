@@ -4,15 +4,14 @@ under Lightning's names (``lr-Adam``, ``lr-SGD/encoder``)."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
-import optax
 
 from jaxlightning.callbacks.base import Callback
+from jaxlightning.optimizers import walk_closures
 
 if TYPE_CHECKING:
     from jaxlightning.callbacks.view import TrainerView
@@ -60,38 +59,14 @@ def find_injected(tx: Any) -> list[Injected]:
     their states appear in the optimizer state. Read from the closures optax
     builds its transformations from; what is hidden elsewhere is not found."""
     found: list[Injected] = []
-    seen: set[int] = set()
 
-    def visit(obj: Any, depth: int) -> None:
-        if depth > 16 or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, optax.GradientTransformation):
-            visit(obj.init, depth + 1)
-        elif callable(getattr(obj, "gradient_transformation", None)):  # optax.MultiSteps
-            visit(obj.gradient_transformation(), depth + 1)
-        elif inspect.ismethod(obj):
-            visit(vars(obj.__self__), depth + 1)
-        elif isinstance(obj, (tuple, list)):
-            for item in obj:
-                visit(item, depth + 1)
-        elif isinstance(obj, dict):
-            for item in obj.values():
-                visit(item, depth + 1)
-        elif inspect.isfunction(obj) and obj.__closure__:
-            cells = {
-                name: cell.cell_contents
-                for name, cell in zip(obj.__code__.co_freevars, obj.__closure__, strict=True)
-                if name not in ("self", "__class__")
-            }
-            if "inner_factory" in cells and "sched_hps" in cells:  # inject_hyperparams' init
-                factory = optimizer_name(cells["inner_factory"])
-                found.append(Injected(factory, dict(cells["sched_hps"])))
-                return
-            for value in cells.values():
-                visit(value, depth + 1)
+    def visit(fn: Any, cells: dict[str, Any]) -> bool:
+        if "inner_factory" in cells and "sched_hps" in cells:  # inject_hyperparams' init
+            found.append(Injected(optimizer_name(cells["inner_factory"]), dict(cells["sched_hps"])))
+            return True
+        return False
 
-    visit(tx, 0)
+    walk_closures(tx, visit, max_depth=16)
     return found
 
 

@@ -33,7 +33,6 @@ it.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -45,6 +44,7 @@ import optax
 
 from jaxlightning.callbacks.base import Callback
 from jaxlightning.loss_scale import LossScaleState
+from jaxlightning.optimizers import walk_closures
 
 if TYPE_CHECKING:
     from jaxlightning.callbacks.view import TrainerView
@@ -140,52 +140,28 @@ def base_learning_rate(tx: Any) -> Callable[[jax.Array], jax.Array] | None:
     a constant or a schedule; ``optax.inject_hyperparams``' ``learning_rate``).
     ``None`` when there is not exactly one."""
     found: list[Callable[[jax.Array], jax.Array]] = []
-    seen: set[int] = set()
 
     def constant(value: Any) -> Callable[[jax.Array], jax.Array]:
         return lambda count: jnp.asarray(value, jnp.float32)
 
-    def visit(obj: Any, depth: int) -> None:
-        if depth > 24 or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, optax.GradientTransformation):
-            visit(obj.init, depth + 1)
-            visit(obj.update, depth + 1)
-        elif callable(getattr(obj, "gradient_transformation", None)):  # optax.MultiSteps
-            visit(obj.gradient_transformation(), depth + 1)
-        elif inspect.ismethod(obj):
-            visit(vars(obj.__self__), depth + 1)
-        elif isinstance(obj, (tuple, list)):
-            for item in obj:
-                visit(item, depth + 1)
-        elif isinstance(obj, dict):
-            for item in obj.values():
-                visit(item, depth + 1)
-        elif inspect.isfunction(obj) and obj.__closure__:
-            cells = {
-                name: cell.cell_contents
-                for name, cell in zip(obj.__code__.co_freevars, obj.__closure__, strict=True)
-                if name not in ("self", "__class__")
-            }
-            if "inner_factory" in cells and ("sched_hps" in cells or "numeric_hps" in cells):
-                rate = {**cells.get("numeric_hps", {}), **cells.get("sched_hps", {})}
-                if "learning_rate" in rate:
-                    lr = rate["learning_rate"]
-                    found.append(lr if callable(lr) else constant(lr))
-                return
-            if set(cells) == {"m", "learning_rate"} and callable(cells["learning_rate"]):
-                found.append(cells["learning_rate"])  # scale_by_learning_rate's schedule
-                return
-            if obj.__name__ == "update_fn" and set(cells) == {"step_size"}:
-                step = cells["step_size"]  # scale(-learning_rate)
-                if np.ndim(step) == 0 and float(step) < 0:
-                    found.append(constant(-float(step)))
-                return
-            for value in cells.values():
-                visit(value, depth + 1)
+    def visit(fn: Any, cells: dict[str, Any]) -> bool:
+        if "inner_factory" in cells and ("sched_hps" in cells or "numeric_hps" in cells):
+            rate = {**cells.get("numeric_hps", {}), **cells.get("sched_hps", {})}
+            if "learning_rate" in rate:
+                lr = rate["learning_rate"]
+                found.append(lr if callable(lr) else constant(lr))
+            return True
+        if set(cells) == {"m", "learning_rate"} and callable(cells["learning_rate"]):
+            found.append(cells["learning_rate"])  # scale_by_learning_rate's schedule
+            return True
+        if fn.__name__ == "update_fn" and set(cells) == {"step_size"}:
+            step = cells["step_size"]  # scale(-learning_rate)
+            if np.ndim(step) == 0 and float(step) < 0:
+                found.append(constant(-float(step)))
+            return True
+        return False
 
-    visit(tx, 0)
+    walk_closures(tx, visit, through_update=True)
     unique = {id(f): f for f in found}
     return next(iter(unique.values())) if len(unique) == 1 else None
 
