@@ -7,6 +7,7 @@ and collectives span them all.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -146,6 +147,21 @@ def gather_ints(value: int) -> list[int]:
     from jax.experimental import multihost_utils
 
     return [int(v) for v in multihost_utils.process_allgather(np.int64(value))]
+
+
+def gather_json(value: Any) -> list[Any]:
+    """Every process's JSON-able ``value``, in process order (``[value]`` when
+    alone): one gather of the lengths, one of the padded bytes."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    lengths = gather_ints(len(data))
+    padded = np.zeros(max(lengths), np.uint8)
+    padded[: len(data)] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row[:n])) for row, n in zip(rows, lengths, strict=True)]
 
 
 def agree(flag: bool, *, at_sync: bool = True) -> bool:

@@ -82,6 +82,7 @@ def test_resume_in_new_process_is_bit_exact(tmp_path, reference, stop_at, every,
         "global_step": stop_at,
         "total_batches": stop_at,
         "validated": False,
+        "batching": {"processes": 1, "batch_size": 32},
     }
     train(tmp_path, 22, "--ckpt-path", "last", "--out", tmp_path / "final.npz")
     assert_bitwise_equal(arrays(tmp_path / "final.npz"), ref_arrays)
@@ -297,5 +298,6 @@ def test_hparams_and_progress_recorded(tmp_path):
         "global_step": 9,
         "total_batches": 9,
         "validated": False,
+        "batching": {"processes": 1, "batch_size": 32},
     }
     assert meta["module"].endswith("LitMLP") and meta["num_devices"] == 8

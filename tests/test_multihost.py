@@ -1,5 +1,6 @@
 """Multi-process runs: 2 processes x 4 CPU devices over gloo, started by the launcher."""
 
+import json
 import os
 import re
 import signal
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxlightning as jl
-from jaxlightning.checkpoint import complete_checkpoints, restore_variables
+from jaxlightning.checkpoint import complete_checkpoints, read_meta, restore_variables
 from tests import run_multihost
 from tests.helpers import (
     LitMLP,
@@ -231,6 +232,93 @@ def test_sigterm_to_one_process_saves_every_process_at_the_next_step(tmp_path):
     resumed, straight = fit(ckpt), fit()
     assert resumed.global_step == straight.global_step == 16
     assert max_abs_diff(resumed.state.params, straight.state.params) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def recorded_run(tmp_path_factory):
+    """One process, global batch 32, one shuffled epoch read through a Dataset
+    that notes the indices it is asked for, checkpoints every 2 steps: the
+    uninterrupted run the resumed ones are held to."""
+    root = tmp_path_factory.mktemp("recorded")
+    run_multihost.main(
+        ["--root", str(root), "--batch", "32", "--shuffle", "--save-every", "2",
+         "--record", str(root / "seen")]
+    )  # fmt: skip
+    with open(root / "seen.rank0.json") as f:
+        record = json.load(f)
+    assert record["global_step"] == 7  # 6 batches of 32 and one of 8
+    assert sorted(record["seen"]) == list(range(200))
+    return root, record["seen"]
+
+
+def _seen(prefix, ranks):
+    out = []
+    for r in range(ranks):
+        with open(f"{prefix}.rank{r}.json") as f:
+            out.append(json.load(f))
+    return out
+
+
+def test_resume_on_another_process_count_goes_on_at_the_next_example(recorded_run, tmp_path):
+    """1 process (global batch 32) -> 2 processes (2 x 32) -> 1 process (32):
+    every run starts at the example the one before stopped at, and together
+    they read the epoch exactly as the uninterrupted run did."""
+    one, order = recorded_run
+    ckpt = one / "lightning_logs/version_0/checkpoints/2"
+    assert read_meta(ckpt)["progress"]["batching"] == {"processes": 1, "batch_size": 32}
+    two = tmp_path / "two"
+    result = launch(
+        "--root", two, "--batch", 64, "--shuffle", "--save-every", 2, "--record", two / "seen",
+        "--ckpt-path", ckpt,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    ranks = _seen(two / "seen", 2)
+    # 64 examples in: global batches 1, 2, 3 of 64 (the last holds 8), steps 3-5.
+    assert [r["global_step"] for r in ranks] == [5, 5]
+    for j, start in enumerate(range(64, 200, 64)):
+        batch = [i for r in ranks for i in r["seen"][32 * j : 32 * (j + 1)]]
+        assert sorted(batch) == sorted(order[start : start + 64]), j
+    assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == sorted(order[64:])
+
+    ckpt = two / "lightning_logs/version_0/checkpoints/4"  # 192 examples in
+    assert read_meta(ckpt)["progress"]["batching"] == {"processes": 2, "batch_size": 32}
+    three = tmp_path / "three"
+    run_multihost.main(
+        ["--root", str(three), "--batch", "32", "--shuffle", "--record", str(three / "seen"),
+         "--ckpt-path", str(ckpt)]
+    )  # fmt: skip
+    (last,) = _seen(three / "seen", 1)
+    assert last["seen"] == order[192:]
+    assert last["global_step"] == 5
+
+
+def test_resume_at_a_position_no_batch_of_the_new_size_starts_at_is_refused(recorded_run):
+    one, _ = recorded_run
+    ckpt = one / "lightning_logs/version_0/checkpoints/2"  # 64 examples in
+    x, y = digits(200)
+    trainer = jl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False)
+    model = LitMLP(lr=1e-2, init_variables=init_mlp())
+    with pytest.raises(ValueError, match=r"after 64 examples .* 1 x 48 = 48, which does not"):
+        trainer.fit(model, loader(x, y, 48, shuffle=True), ckpt_path=ckpt)
+
+
+def test_grain_sharded_by_process_resumes_mid_epoch_from_each_process_state(tmp_path):
+    """A grain DataLoader sharded by process: each process's iterator state is
+    saved with the checkpoint (step 2, mid-epoch), and a resumed fit trains as
+    the uninterrupted one did."""
+    result = launch("--root", tmp_path, "--out", tmp_path / "r.npz", "--grain", "--epochs", 2)
+    assert result.returncode == 0, result.stdout[-3000:]
+    # 100 examples a process: 3 batches of 32 and one of 4 per epoch
+    assert "[rank 1] DONE rank=1 step=8" in result.stdout
+    ckpt = tmp_path / "straight/lightning_logs/version_0/checkpoints/2"
+    states = read_meta(ckpt)["progress"]["data_state"]
+    assert len(states) == 2 and states[0] != states[1]  # each process's own shard
+    with np.load(tmp_path / "r.npz") as f:
+        runs = dict(f)
+    keys = [k[len("straight") :] for k in runs if k.startswith("straight")]
+    assert len(keys) == 6
+    for k in keys:
+        np.testing.assert_array_equal(runs["resumed" + k], runs["straight" + k], err_msg=k)
 
 
 def _alone(code, **env):

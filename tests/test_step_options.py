@@ -106,6 +106,7 @@ def test_accumulating_4_batches_of_32_equals_batches_of_128_on_8_devices(tmp_pat
         "global_step": 4,
         "total_batches": 14,  # batches trained (val_check_interval counts batches)
         "validated": False,
+        "batching": {"processes": 1, "batch_size": 32},
     }
 
 

@@ -201,6 +201,14 @@ class Padder:
         return self._last
 
 
+def dataset_length(loader: Iterable[Any]) -> int | None:
+    """The number of examples of the DataLoader's map-style dataset, if known."""
+    try:
+        return len(loader.dataset)  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        return None
+
+
 def loader_batch_size(loader: Iterable[Any]) -> int | None:
     """The DataLoader's fixed ``batch_size``, if it has one."""
     size = getattr(loader, "batch_size", None)

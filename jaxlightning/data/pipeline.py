@@ -35,6 +35,7 @@ from jaxlightning.data.sampling import (
     ownable,
     whole_batches,
 )
+from jaxlightning.data.stateful import Stamped, StatefulPass, iterates_statefully
 from jaxlightning.schedule import Schedule
 from jaxlightning.strategies import Strategy
 
@@ -108,6 +109,9 @@ class Pipeline:
         # user loader -> {role: what the Trainer iterates for it}; weak, so a
         # loader the user drops is not kept alive (with its workers) by the Trainer
         self._wrapped: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+        # a stateful training loader's iterator state to resume its epoch from
+        # (this process's, from a checkpoint), used by the first resumed pass
+        self.resume_state: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- counts
     def train_batches_per_epoch(self, loader: Any) -> int | None:
@@ -269,6 +273,12 @@ class Pipeline:
         self, loader: Any, role: str, epoch: int, skip: int, shuffle: bool | None
     ) -> Iterable[Any]:
         rank, replicas = jax.process_index(), jax.process_count()
+        if iterates_statefully(loader) and (replicas == 1 or not self.own_order):
+            state = None
+            if skip and role == "train":
+                state, self.resume_state = self.resume_state, None
+            if state is not None or not skip:  # else: loaded and dropped, below
+                return StatefulPass(loader, state)
         if self.own_order and ownable(loader):
 
             def make(ld: Any) -> OwnedOrder:
@@ -293,6 +303,8 @@ class Pipeline:
             return None
         if self.own_order:
             return common_num_batches(loader, processes, skip)
+        if loader_length(ordered) is None:  # a grain loader: its shards' affair
+            return None
         counts = distributed.gather_ints(len(ordered))
         if len(set(counts)) > 1:
             raise ValueError(
@@ -326,9 +338,12 @@ class Pipeline:
             put = self.strategy.put_batch
 
             def prepare(raw: Any) -> DeviceBatch:
+                state = None
+                if isinstance(raw, Stamped):
+                    raw, state = raw.batch, raw.state
                 host = padder.empty() if raw is _PAD_BATCH else padder(raw)
                 data, rows = put((host.data, Rows.of(host.mask, epoch)))
-                return DeviceBatch(host, data, rows)
+                return DeviceBatch(host, data, rows, state)
 
             source = loader if total is None else _exactly(loader, total)
             prefetcher = Prefetcher(source, prepare, depth=self.strategy.prefetch_depth)

@@ -43,6 +43,8 @@ class DeviceBatch:
     host: HostBatch
     data: Any
     mask: Any
+    # a stateful loader's iterator state after this batch (`stateful.Stamped`)
+    state: Any = None
 
 
 _END = object()

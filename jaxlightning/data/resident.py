@@ -141,6 +141,8 @@ class ResidentBatch:
     from ``dataset``, ``indices`` and ``rows`` (host arrays), in that dispatch.
     """
 
+    state = None  # the Trainer's own order: no iterator state to save
+
     def __init__(
         self, dataset: ResidentDataset, indices: np.ndarray, rows: Rows, host: ResidentHostBatch
     ) -> None:

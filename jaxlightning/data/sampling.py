@@ -305,8 +305,9 @@ def epoch_loader(
         raise ValueError(
             f"a multi-process run needs each process to read only its share; the Trainer "
             f"does that for a plain DataLoader over a map-style dataset, but got "
-            f"{type(loader).__name__}. Pass one, or shard the data yourself and set "
-            "Trainer(use_distributed_sampler=False)"
+            f"{type(loader).__name__}. Pass one, or shard the data yourself (a grain "
+            "loader with shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True)) "
+            "and set Trainer(use_distributed_sampler=False)"
         )
     if skip_batches:
         warnings.warn(

@@ -117,6 +117,7 @@ class FitLoop:
                         if val_loaders is not None and self.validate_at_epoch_end:
                             self.evaluation.evaluate("validation", module, val_loaders)
                         self.progress.position = (epoch + 1, 0)
+                        self.progress.data_state = None
                     self.hooks.train_epoch_end(module)
                     # An epoch cut short (max_steps, a stop) counts too, as in
                     # Lightning; its checkpoints' position still resumes inside it.
@@ -256,6 +257,8 @@ class FitLoop:
                 progress.train_samples_seen += batch.host.real
                 updated = progress.count_micro_batch()
                 progress.position = (epoch, batch_idx + 1)
+                if batch.state is not None:
+                    progress.data_state = batch.state
                 progress.validated = False
                 at_report = updated and progress.global_step % self.log_every_n_steps == 0
                 if at_report:

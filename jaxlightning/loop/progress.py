@@ -34,6 +34,9 @@ class Progress:
         fitting: a fit is running (loggers then number steps as Lightning does).
         validated: the validation due after the batch at ``position`` has run
             (a run resumed there does not run it again).
+        data_state: a stateful loader's iterator state after the batch before
+            ``position`` (grain's), what a checkpoint saves to resume it from;
+            ``None`` at an epoch's start and for the Trainer's own orders.
         steps_ahead: how many train steps the device state is ahead of the
             batch whose hooks run (``steps_per_execution``: a dispatch runs
             several batches, whose hooks then run one by one after it).
@@ -54,6 +57,7 @@ class Progress:
     fitting: bool = False
     validated: bool = False
     steps_ahead: int = 0
+    data_state: dict | None = None
 
     @property
     def log_step(self) -> int:
@@ -74,6 +78,8 @@ class Progress:
         """An epoch starts (at its batch ``skip``, resumed): it is not complete,
         and its batch 0 is the device's number ``epoch_offset + 1``."""
         self.epoch_completed = False
+        if not skip:
+            self.data_state = None
         self.epoch_offset = self.global_step * self.accumulate + self.micro - skip
 
     def count_micro_batch(self) -> bool:

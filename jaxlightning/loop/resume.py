@@ -89,13 +89,18 @@ def checkpoint_record(
     module: JaxModule,
     progress: Progress,
     datamodule: Any,
+    batching: Mapping[str, Any] | None = None,
     **run: Any,
 ) -> dict[str, Any]:
-    """The JSON record a checkpoint saves: the resume position, callback and
+    """The JSON record a checkpoint saves: the resume position (and ``batching``,
+    how the training batches were cut: see `rebatched`), callback and
     datamodule states, hyperparameters, and ``run`` (seed, log dir, ...),
     after the ``on_save_checkpoint`` hooks added theirs."""
     epoch, batch = progress.position
     states = {key: getattr(cb, "state_dict", dict)() for key, cb in hooks.keyed()}
+    # Every process reads the same kind of loader: all have a state, or none.
+    state = progress.data_state
+    data_states = [] if state is None else distributed.gather_json(state)
     meta = {
         "progress": {
             "epoch": epoch,
@@ -103,6 +108,9 @@ def checkpoint_record(
             "global_step": progress.global_step,
             "total_batches": progress.total_batches,
             "validated": progress.validated,
+            **({"batching": dict(batching)} if batching else {}),
+            # one per process: each reads its own shard
+            **({"data_state": data_states} if any(data_states) else {}),
         },
         "callbacks": {key: state for key, state in states.items() if state},
         "hparams": json_safe(module.hparams),
@@ -145,6 +153,67 @@ def start_from(meta: Mapping[str, Any] | None, progress: Progress) -> int:
     progress.resume_at(at["epoch"], at["batch"], at["global_step"], at.get("total_batches"))
     progress.validated = bool(at.get("validated", False))
     return at["batch"]
+
+
+def batching(processes: int, batch_size: int | None) -> dict[str, int] | None:
+    """How a run cuts its training batches, as a checkpoint records it: each of
+    ``processes`` takes ``batch_size`` rows of the epoch's order per batch."""
+    if batch_size is None:
+        return None
+    return {"processes": processes, "batch_size": batch_size}
+
+
+def rebatched(
+    meta: Mapping[str, Any] | None,
+    skip: int,
+    *,
+    processes: int,
+    batch_size: int | None,
+    num_examples: int | None,
+) -> int:
+    """The batch to resume an epoch from when this run cuts its batches unlike
+    the checkpoint's run did (another process count, another batch size).
+
+    The Trainer's order gives global batch ``k`` (all processes' batch ``k``)
+    the positions ``[k*B, (k+1)*B)`` of the epoch's order, ``B`` the global
+    batch size, on any number of processes: a checkpoint after ``skip`` batches
+    of ``B`` rows has consumed ``skip*B`` examples, and a run with global batch
+    ``B'`` goes on at its batch ``skip*B / B'`` — the same next example.
+    """
+    saved = (meta or {}).get("progress", {}).get("batching")
+    if not skip or not saved or batch_size is None:
+        return skip
+    before, now = saved["processes"] * saved["batch_size"], processes * batch_size
+    if before == now:
+        return skip
+    consumed = skip * before
+    if num_examples is not None and consumed >= num_examples:  # the epoch's last batch
+        return -(-num_examples // now)
+    if consumed % now:
+        raise ValueError(
+            f"the checkpoint was taken after {consumed} examples of its epoch ({skip} "
+            f"batches of {saved['batch_size']} on each of {saved['processes']} "
+            f"process(es)); this run's global batch is {processes} x {batch_size} = {now}, "
+            f"which does not divide {consumed}, so no batch of it starts at the next "
+            "example. Choose a batch size whose global batch divides it, or resume from "
+            "a checkpoint taken at an epoch's end"
+        )
+    return consumed // now
+
+
+def data_state(meta: Mapping[str, Any] | None, processes: int, rank: int) -> dict | None:
+    """This process's saved iterator state of a stateful training loader (grain's)."""
+    states = (meta or {}).get("progress", {}).get("data_state")
+    if not states:
+        return None
+    if len(states) != processes:
+        raise ValueError(
+            f"the checkpoint holds the data iterators' states of {len(states)} process(es), "
+            f"and this run has {processes}: a grain loader's state is its own shard's "
+            "position, which another process count cannot continue. Resume on "
+            f"{len(states)} process(es), or from a checkpoint taken at an epoch's end"
+        )
+    return states[rank]
 
 
 def load_instead(module: JaxModule, path: str | None, progress: Progress, reason: str) -> None:

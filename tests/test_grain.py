@@ -1,0 +1,140 @@
+"""grain loaders where torch DataLoaders go: trained, evaluated, predicted, and
+resumed mid-epoch from their iterator state without reading a batch twice."""
+
+import json
+import shutil
+
+import grain
+import numpy as np
+import pytest
+
+import jaxlightning as jl
+from jaxlightning.checkpoint import read_meta
+from tests.helpers import (
+    LitMLP,
+    assert_bitwise_equal,
+    digits,
+    init_mlp,
+    loader,
+    np_logits,
+    quiet_trainer,
+    trained_params,
+)
+
+X, Y = digits(200)
+
+
+class Digits:
+    """A grain data source that notes every index it is asked for."""
+
+    def __init__(self, n=200):
+        self.n, self.seen = n, []
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.seen.append(int(i))
+        return X[i], Y[i]
+
+    def __repr__(self):  # grain checks a restored state's source by its repr
+        return f"Digits({self.n})"
+
+
+def grain_loader(source, shuffle=True, batch_size=32):
+    sampler = grain.samplers.IndexSampler(
+        num_records=len(source),
+        shuffle=shuffle,
+        seed=0,
+        num_epochs=1,
+        shard_options=grain.sharding.NoSharding(),
+    )
+    return grain.DataLoader(
+        data_source=source,
+        sampler=sampler,
+        operations=[grain.transforms.Batch(batch_size=batch_size)],
+        worker_count=0,
+        read_options=grain.ReadOptions(num_threads=0),  # indices asked in order
+    )
+
+
+def grain_dataset(source):
+    return (
+        grain.MapDataset.source(source)
+        .shuffle(seed=0)
+        .batch(32)
+        .to_iter_dataset(grain.ReadOptions(num_threads=0))
+    )
+
+
+MAKERS = {"DataLoader": grain_loader, "IterDataset": grain_dataset}
+
+
+def fit(data, tmp_path=None, ckpt_path=None, **kw):
+    if tmp_path is not None:
+        kw["default_root_dir"] = tmp_path
+        kw["callbacks"] = [jl.ModelCheckpoint(every_n_train_steps=3, save_top_k=-1)]
+    trainer = quiet_trainer(max_epochs=2, **kw)
+    module = LitMLP(lr=1e-2, init_variables=init_mlp())
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.mark.parametrize("kind", MAKERS)
+def test_grain_trains_on_the_batches_it_yields(kind):
+    batches = list(MAKERS[kind](Digits()))  # 6 of 32 and one of 8
+    assert [len(b[1]) for b in batches] == [32] * 6 + [8]
+    # Each epoch is a fresh pass of grain's (same seeded) order.
+    assert_bitwise_equal(trained_params(fit(MAKERS[kind](Digits()))), trained_params(fit(batches)))
+
+
+@pytest.mark.parametrize("kind", MAKERS)
+def test_grain_resumes_mid_epoch_from_its_state_reading_nothing_twice(kind, tmp_path):
+    straight_source = Digits()
+    straight = fit(MAKERS[kind](straight_source), tmp_path / "straight")
+    ckpt = tmp_path / "straight/checkpoints/3"  # 3 batches of 32 into epoch 0
+    saved = read_meta(ckpt)["progress"]
+    assert (saved["epoch"], saved["batch"]) == (0, 3)
+    assert len(saved["data_state"]) == 1  # one per process
+
+    source = Digits()
+    resumed = fit(MAKERS[kind](source), tmp_path / "resumed", ckpt_path=ckpt)
+    assert resumed.global_step == straight.global_step == 14
+    assert_bitwise_equal(trained_params(resumed), trained_params(straight))
+    assert source.seen == straight_source.seen[96:]  # no batch read and dropped
+
+    # A record at an epoch's end holds no state: the next epoch is a fresh pass.
+    _, record = straight.checkpoint_payload(straight.lightning_module)
+    at_end = record["progress"]
+    assert (at_end["epoch"], at_end["batch"]) == (2, 0) and "data_state" not in at_end
+
+
+def test_grain_state_of_another_process_count_is_refused(tmp_path):
+    fit(grain_loader(Digits()), tmp_path / "one")
+    ckpt = tmp_path / "copy"
+    shutil.copytree(tmp_path / "one/checkpoints/3", ckpt)
+    record = next(p for p in ckpt.rglob("*") if p.is_file() and p.parent.name == "meta")
+    meta = json.loads(record.read_text())
+    meta["progress"]["data_state"] *= 2  # as if 2 processes had saved it
+    record.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"states of 2 process\(es\), and this run has 1"):
+        fit(grain_loader(Digits()), ckpt_path=ckpt)
+
+
+def test_grain_validates_and_predicts_in_its_order():
+    vx, vy = digits(45, offset=1000)
+
+    class Val(Digits):
+        def __getitem__(self, i):
+            return vx[i], vy[i]
+
+    trainer = fit(grain_loader(Digits()))
+    params = trained_params(trainer)
+    val = grain_loader(Val(45), shuffle=False, batch_size=16)
+    (metrics,) = trainer.validate(trainer.lightning_module, val)
+    (reference,) = trainer.validate(trainer.lightning_module, loader(vx, vy, 16))
+    assert metrics == reference
+    logits = np_logits(params, vx)
+    assert float(metrics["val/acc"]) == pytest.approx((logits.argmax(-1) == vy).mean(), abs=1e-7)
+    predicted = trainer.predict(trainer.lightning_module, val)
+    np.testing.assert_allclose(predicted["logits"], logits, atol=1e-4)
