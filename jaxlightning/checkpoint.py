@@ -8,10 +8,17 @@ while orbax writes, and written once both are done; checkpoints saved before
 it kept them in ``meta``). Orbax writes into a temporary folder and renames it
 when complete, so a folder whose name is a plain step number is always whole; a
 save interrupted by a crash leaves only a temporary folder that is never chosen.
+
+A folder in object storage (``s3://``, ``gs://``: `storage`) is written through
+a local staging folder: orbax writes the step there as above, and the step is
+uploaded, ``checksums.json`` last, on the same background thread that computes
+the checksums; a step in the bucket without that file is not complete.
+Restoring downloads the step into a temporary folder first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -22,13 +29,15 @@ import threading
 import time
 import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import flax.serialization
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from jaxlightning import storage
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"\d+")
@@ -87,10 +96,13 @@ class _Checksums(threading.Thread):
     writes them into the step's folder once orbax has renamed it into place,
     which makes the checkpoint complete (`complete_checkpoints`)."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], folder: str) -> None:
+    def __init__(
+        self, arrays: dict[str, np.ndarray], folder: str, upload_to: str | None = None
+    ) -> None:
         super().__init__(name="jaxlightning-checksums", daemon=True)
         self._arrays: dict[str, np.ndarray] | None = arrays
         self._folder = folder
+        self._upload_to = upload_to  # then the folder is staged: uploaded, then removed
         self.cancelled = threading.Event()  # the save failed: its folder never comes
         self.error: BaseException | None = None
         self.start()
@@ -103,6 +115,9 @@ class _Checksums(threading.Thread):
                 if self.cancelled.wait(0.01):
                     return
             _write_json(os.path.join(self._folder, CHECKSUMS), result)
+            if self._upload_to is not None:
+                storage.upload(self._folder, self._upload_to, last=(CHECKSUMS,))
+                shutil.rmtree(self._folder, ignore_errors=True)
         except BaseException as exc:  # raised by the writer's `wait`
             self.error = exc
 
@@ -120,6 +135,19 @@ def _restore_arg(leaf: Any) -> Any:
 def _check_writable(dirpath: str) -> None:
     """Fails now, clearly, for a folder no checkpoint can be written to: orbax's
     save threads would otherwise wait minutes for a folder that never appears."""
+    if storage.is_remote(dirpath):  # a bucket that is missing or not ours
+        probe = storage.join(dirpath, f".jl-write-probe-{os.getpid()}")
+        try:
+            with storage.open_file(probe, "w") as f:
+                f.write("")
+            storage.remove_tree(probe)
+        except Exception as exc:
+            raise CheckpointError(
+                f"cannot write checkpoints to {dirpath}: {type(exc).__name__}: {exc}. Check "
+                "that the bucket exists and the credentials may write to it, or choose "
+                "another folder: ModelCheckpoint(dirpath=...) or Trainer(default_root_dir=...)"
+            ) from exc
+        return
     try:
         os.makedirs(dirpath, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".jl-write-probe-", dir=dirpath)
@@ -142,8 +170,20 @@ class CheckpointWriter:
     """
 
     def __init__(self, dirpath: str, *, async_save: bool = True) -> None:
-        self.dirpath = os.path.abspath(dirpath)
-        _check_writable(self.dirpath)
+        # In object storage: staged here, uploaded by the checksum thread.
+        self.remote = storage.resolve(dirpath) if storage.is_remote(dirpath) else None
+        if self.remote is not None:
+            if jax.process_count() > 1:
+                raise CheckpointError(
+                    f"checkpoints in object storage ({self.remote}) are written by a single "
+                    "process; in a multi-process run give ModelCheckpoint(dirpath=...) a "
+                    "folder every process shares (a gcsfuse or s3 mount, say)"
+                )
+            _check_writable(self.remote)
+            self.dirpath = tempfile.mkdtemp(prefix="jaxlightning-stage-")
+        else:
+            self.dirpath = os.path.abspath(dirpath)
+            _check_writable(self.dirpath)
         self._manager = ocp.CheckpointManager(
             self.dirpath,
             options=ocp.CheckpointManagerOptions(
@@ -155,7 +195,8 @@ class CheckpointWriter:
         self._reported = False  # a save's failure was raised already
 
     def path(self, step: int) -> str:
-        return os.path.join(self.dirpath, str(step))
+        """Where step ``step``'s checkpoint is (in the bucket, once uploaded)."""
+        return storage.join(self.remote or self.dirpath, str(step))
 
     def save(self, step: int, tree: Any, meta: Mapping[str, Any]) -> str:
         """Starts saving ``tree`` (host arrays) and ``meta`` as step ``step``;
@@ -166,7 +207,9 @@ class CheckpointWriter:
         record = dict(meta, format_version=FORMAT_VERSION, saved_at=time.time())
         record["checksums"] = CHECKSUMS  # where they are (a dict: inside, as saved before)
         if jax.process_index() == 0:
-            self._checksums = _Checksums(checksummed(state), self.path(step))
+            staged = os.path.join(self.dirpath, str(step))
+            upload_to = None if self.remote is None else self.path(step)
+            self._checksums = _Checksums(checksummed(state), staged, upload_to)
         self._pending = step
         try:
             self._manager.save(
@@ -226,9 +269,13 @@ class CheckpointWriter:
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints in the folder (not one being written)."""
-        return [int(os.path.basename(p)) for p in complete_checkpoints(self.dirpath)]
+        folder = self.remote or self.dirpath
+        return [int(os.path.basename(p)) for p in complete_checkpoints(folder)]
 
     def delete(self, step: int) -> None:
+        if self.remote is not None:
+            storage.remove_tree(self.path(step))
+            return
         self._manager.reload()
         self._manager.delete(step)
 
@@ -246,6 +293,9 @@ class CheckpointWriter:
             except Exception as exc:
                 if not self._reported:
                     raise CheckpointError(f"closing {self.dirpath} failed: {exc}") from exc
+            finally:
+                if self.remote is not None:
+                    shutil.rmtree(self.dirpath, ignore_errors=True)
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -258,10 +308,8 @@ def _write_json(path: str, value: Any) -> None:
 
 def complete_checkpoints(dirpath: str) -> list[str]:
     """Paths of the complete checkpoints in ``dirpath``, oldest step first."""
-    if not os.path.isdir(dirpath):
-        return []
-    steps = [int(d) for d in os.listdir(dirpath) if _STEP_DIR.fullmatch(d)]
-    paths = [os.path.join(dirpath, str(s)) for s in sorted(steps)]
+    steps = [int(d) for d in storage.listdir(dirpath) if _STEP_DIR.fullmatch(d)]
+    paths = [storage.join(dirpath, str(s)) for s in sorted(steps)]
     return [p for p in paths if _is_complete(p)]
 
 
@@ -269,27 +317,27 @@ def _is_complete(path: str) -> bool:
     """Whether orbax finished the folder and, for a record that keeps its
     checksums in their own file, that file was written too."""
     return _has_arrays(path) and (
-        os.path.exists(os.path.join(path, CHECKSUMS)) or not _checksums_apart(path)
+        storage.exists(storage.join(path, CHECKSUMS)) or not _checksums_apart(path)
     )
 
 
 def _has_arrays(path: str) -> bool:
-    return all(os.path.isdir(os.path.join(path, item)) for item in ("state", "meta"))
+    return all(storage.isdir(storage.join(path, item)) for item in ("state", "meta"))
 
 
 def _checksums_apart(path: str) -> bool:
     """Whether the record says its checksums are in their own file (read as a
     plain file: listing checkpoints should not start orbax)."""
     try:
-        with open(os.path.join(path, "meta", "metadata")) as f:
+        with storage.open_file(storage.join(path, "meta", "metadata")) as f:
             return isinstance(json.load(f).get("checksums"), str)
     except (OSError, ValueError, AttributeError):
         return False  # an unreadable record is reported when it is read
 
 
 def _checked(path: str | os.PathLike[str]) -> str:
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.exists(path):
+    path = storage.resolve(path)
+    if not storage.exists(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if not _has_arrays(path):  # one whose checksums are missing restores unchecked
         raise CheckpointError(
@@ -307,11 +355,24 @@ def _checkpointer() -> ocp.Checkpointer:
     )
 
 
+@contextlib.contextmanager
+def _local(path: str, skip: tuple[str, ...] = ()) -> Iterator[str]:
+    """The checkpoint folder ``path`` on this machine: itself, or for one in
+    object storage a temporary download (without the folders in ``skip``)."""
+    if not storage.is_remote(path):
+        yield path
+        return
+    with storage.downloaded(path, skip=skip) as local:
+        yield local
+
+
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The JSON record of the checkpoint at ``path``."""
     path = _checked(path)
     try:
-        meta = _checkpointer().restore(path, ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        with _local(path, skip=("state",)) as local:
+            args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+            meta = _checkpointer().restore(local, args).meta
     except Exception as exc:
         raise CheckpointError(f"could not read checkpoint {path}: {exc}") from exc
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
@@ -433,13 +494,13 @@ def _saved_at(path: str) -> float:
 def move_aside(dirpath: str, steps: list[int]) -> str:
     """Moves the checkpoints of ``steps`` into a new ``superseded-*`` folder inside
     ``dirpath`` (never chosen by ``"last"``); returns that folder."""
-    dest = os.path.join(dirpath, time.strftime("superseded-%Y%m%d-%H%M%S"))
+    dest = storage.join(dirpath, time.strftime("superseded-%Y%m%d-%H%M%S"))
     base, n = dest, 1
-    while os.path.exists(dest):
+    while storage.exists(dest):
         dest, n = f"{base}-{n}", n + 1
-    os.makedirs(dest)
+    storage.makedirs(dest)
     for step in steps:
-        os.rename(os.path.join(dirpath, str(step)), os.path.join(dest, str(step)))
+        storage.move(storage.join(dirpath, str(step)), storage.join(dest, str(step)))
     return dest
 
 
@@ -498,7 +559,13 @@ def restore(path: str | os.PathLike[str], target: Any | None = None) -> Any:
             with ``target``, a checkpoint of weights only (`weights_only`).
     """
     path = _checked(path)
-    saved = _saved_tree(path)
+    with _local(path) as local:
+        return _restore_from(path, local, target)
+
+
+def _restore_from(path: str, local: str, target: Any | None) -> Any:
+    """`restore` from the folder ``local`` (``path`` itself, or its download)."""
+    saved = _saved_tree(local)
     if target is not None:
         _refuse_weights_only(path)
         expected = _shapes(flax.serialization.to_state_dict(target))
@@ -516,14 +583,14 @@ def restore(path: str | os.PathLike[str], target: Any | None = None) -> Any:
         state = (
             _checkpointer()
             .restore(
-                path,
+                local,
                 ocp.args.Composite(state=ocp.args.PyTreeRestore(restore_args=restore_args)),
             )
             .state
         )
     except Exception as exc:
         raise _read_error(path, exc) from exc
-    _verify(path, state)
+    _verify(local, state, path)
     return state if target is None else flax.serialization.from_state_dict(target, state)
 
 
@@ -546,21 +613,22 @@ def _read_error(path: str, exc: Exception) -> CheckpointError:
     return CheckpointError(f"could not read checkpoint {path}: {exc}")
 
 
-def _verify(path: str, state: Any) -> None:
-    """Compares the restored arrays with the checksums recorded at save."""
-    recorded = read_meta(path).get("checksums")
+def _verify(local: str, state: Any, path: str) -> None:
+    """Compares the restored arrays with the checksums recorded at save (in the
+    checkpoint ``path``, here at ``local``)."""
+    recorded = read_meta(local).get("checksums")
     if recorded is None:  # written before checksums were recorded
         return
     if isinstance(recorded, str):  # in their own file (a dict: in the record, as before)
         try:
-            with open(os.path.join(path, recorded)) as f:
+            with open(os.path.join(local, recorded)) as f:
                 recorded = json.load(f)
         except FileNotFoundError:
             warnings.warn(
                 f"checkpoint {path} has no {recorded}: the run stopped after its arrays "
                 "were written but before their checksums were; restored without checking "
                 "them",
-                stacklevel=3,
+                stacklevel=4,
             )
             return
     for key, crc in checksums(state).items():

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxlightning import distributed
+from jaxlightning import distributed, storage
 from jaxlightning.callbacks.base import Callback
 from jaxlightning.module import JaxModule
 from jaxlightning.seed import seed_everything
@@ -184,8 +184,8 @@ class SaveConfigCallback(Callback):
         self.already_saved = True
 
     def _write(self, log_dir: str, *, continuing: bool) -> None:
-        path = os.path.join(log_dir, self.config_filename)
-        found = distributed.is_rank_zero() and os.path.isfile(path)
+        path = storage.join(log_dir, self.config_filename)
+        found = distributed.is_rank_zero() and storage.exists(path)
         if bool(distributed.broadcast(np.int32(found))) and not self.overwrite:
             if continuing:  # the run's own configuration: keep it
                 return
@@ -197,6 +197,11 @@ class SaveConfigCallback(Callback):
                 "overwrite the config file."
             )
         if distributed.is_rank_zero():
+            if storage.is_remote(path):  # one file, written whole
+                text = self.parser.dump(self.config, **_KEEP_NONE)
+                with storage.open_file(path, "w") as f:
+                    f.write(text)
+                return
             os.makedirs(log_dir, exist_ok=True)
             self.parser.save(
                 self.config, path, overwrite=self.overwrite, multifile=self.multifile, **_KEEP_NONE

@@ -9,7 +9,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from jaxlightning import distributed
+from jaxlightning import distributed, storage
 from jaxlightning.callbacks.base import Callback
 from jaxlightning.checkpoint import (
     CheckpointError,
@@ -134,11 +134,11 @@ class ModelCheckpoint(Callback):
         a logger of ``version="awesome"``), else in ``default_root_dir``."""
         if self.dirpath is None:
             root = trainer.log_dir or trainer.default_root_dir
-            self.dirpath = os.path.join(root, "checkpoints")
-        return os.path.abspath(self.dirpath)
+            self.dirpath = storage.join(root, "checkpoints")
+        return storage.resolve(self.dirpath)
 
     def _path(self, step: int) -> str:
-        return os.path.join(os.path.abspath(self.dirpath or ""), str(step))
+        return storage.join(storage.resolve(self.dirpath or ""), str(step))
 
     # ----------------------------------------------------------------- hooks
     def on_fit_start(self, trainer: TrainerView, module: JaxModule) -> None:
@@ -524,7 +524,7 @@ class ModelCheckpoint(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "monitor": self.monitor,
-            "dirpath": os.path.abspath(self.dirpath) if self.dirpath else None,
+            "dirpath": storage.resolve(self.dirpath) if self.dirpath else None,
             "records": self._all_records(),
             "best_model_path": self.best_model_path,
             "best_model_score": self.best_model_score,
@@ -538,7 +538,7 @@ class ModelCheckpoint(Callback):
         self._pending_state = dict(state)
 
     def _adopt(self, state: dict[str, Any]) -> None:
-        if state.get("dirpath") != os.path.abspath(self.dirpath or ""):
+        if state.get("dirpath") != storage.resolve(self.dirpath or ""):
             return
         self._records = list(state.get("records", []))
         self._known = {r["step"] for r in self._records}

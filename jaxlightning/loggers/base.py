@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxlightning import distributed
+from jaxlightning import distributed, storage
 
 _VERSION_DIR = re.compile(r"version_(\d+)")
 
@@ -71,9 +71,7 @@ def finalize_all(loggers: Sequence[Logger], *, quiet: bool = False) -> None:
 
 def next_version(root: str) -> int:
     """The first ``version_N`` number not taken under ``root``."""
-    if not os.path.isdir(root):
-        return 0
-    found = [_VERSION_DIR.fullmatch(d) for d in os.listdir(root)]
+    found = [_VERSION_DIR.fullmatch(d) for d in storage.listdir(root)]
     return max((int(m.group(1)) + 1 for m in found if m), default=0)
 
 
@@ -102,9 +100,9 @@ class VersionedLogger(Logger):
         no version is fixed yet, so a resumed run stays one run."""
         if self._version is not None:
             return
-        parent, leaf = os.path.split(os.path.abspath(log_dir))
+        parent, leaf = storage.split(log_dir)
         match = _VERSION_DIR.fullmatch(leaf)
-        if match and parent == os.path.abspath(os.path.join(self.save_dir, self.name)):
+        if match and parent == storage.resolve(storage.join(self.save_dir, self.name)):
             self._version = int(match.group(1))
 
     @property
@@ -112,7 +110,7 @@ class VersionedLogger(Logger):
         if self._version is None:
             # Process 0 picks it; in a multi-process run every process must ask at
             # the same point (the Trainer does, at the start of each run).
-            version = next_version(os.path.join(self.save_dir, self.name))
+            version = next_version(storage.join(self.save_dir, self.name))
             self._version = int(distributed.broadcast(np.int32(version)))
         return self._version
 
@@ -120,4 +118,4 @@ class VersionedLogger(Logger):
     def log_dir(self) -> str:
         version = self.version
         folder = version if isinstance(version, str) else f"version_{version}"
-        return os.path.join(self.save_dir, self.name, folder)
+        return storage.join(self.save_dir, self.name, folder)

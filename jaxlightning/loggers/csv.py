@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import csv
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
-from jaxlightning import distributed
+from jaxlightning import distributed, storage
 from jaxlightning.loggers.base import VersionedLogger
 
 
@@ -45,7 +44,7 @@ class CSVLogger(VersionedLogger):
 
     @property
     def metrics_file_path(self) -> str:
-        return os.path.join(self.log_dir, "metrics.csv")
+        return storage.join(self.log_dir, "metrics.csv")
 
     @property
     def experiment(self) -> CSVLogger | None:
@@ -54,11 +53,11 @@ class CSVLogger(VersionedLogger):
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         if not distributed.is_rank_zero():
             return
-        os.makedirs(self.log_dir, exist_ok=True)
+        storage.makedirs(self.log_dir)
         plain = {
             k: v if isinstance(v, (bool, int, float, str)) else repr(v) for k, v in params.items()
         }
-        with open(os.path.join(self.log_dir, "hparams.yaml"), "w") as f:
+        with storage.open_file(storage.join(self.log_dir, "hparams.yaml"), "w") as f:
             yaml.safe_dump(plain, f)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -72,19 +71,20 @@ class CSVLogger(VersionedLogger):
         """Writes the buffered rows."""
         if not self._rows:
             return
-        os.makedirs(self.log_dir, exist_ok=True)
+        storage.makedirs(self.log_dir)
         path = self.metrics_file_path
-        if not self._header and os.path.exists(path):  # a resumed run: continue the file
-            with open(path, newline="") as f:
+        if not self._header and storage.exists(path):  # a resumed run: continue the file
+            with storage.open_file(path, newline="") as f:
                 self._header = next(csv.reader(f), [])
         new = [k for row in self._rows for k in row if k not in self._header]
-        if new:
+        # An object cannot be appended to: it is written whole each time.
+        if new or storage.is_remote(path):
             self._header += list(dict.fromkeys(new))
             old = []
-            if os.path.exists(path):
-                with open(path, newline="") as f:
+            if storage.exists(path):
+                with storage.open_file(path, newline="") as f:
                     old = list(csv.DictReader(f))
-            with open(path, "w", newline="") as f:
+            with storage.open_file(path, "w", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=self._header)
                 writer.writeheader()
                 writer.writerows(old + self._rows)

@@ -12,7 +12,7 @@ from typing import Any
 from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summary
 
-from jaxlightning import distributed
+from jaxlightning import distributed, storage
 from jaxlightning.loggers.base import VersionedLogger
 
 # tensorboardX names event files by the second they were opened in; a file
@@ -104,7 +104,7 @@ class TensorBoardLogger(VersionedLogger):
         if not distributed.is_rank_zero():
             return None
         if self._writer is None:
-            os.makedirs(self.log_dir, exist_ok=True)
+            storage.makedirs(self.log_dir)  # tensorboardX writes s3:// and gs:// itself
             suffix = f".{os.getpid()}.{next(_WRITER_COUNT):05d}"
             self._writer = SummaryWriter(
                 logdir=self.log_dir, filename_suffix=suffix, **self._writer_kwargs

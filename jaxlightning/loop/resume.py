@@ -3,13 +3,12 @@ holds, and whether a resumed run has anything left to do."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxlightning import distributed
+from jaxlightning import distributed, storage
 from jaxlightning.callbacks import ModelCheckpoint
 from jaxlightning.checkpoint import find_last, json_safe, read_meta, restore_variables
 from jaxlightning.loggers import Logger
@@ -30,11 +29,11 @@ def _checkpoint_dirs(
 ) -> list[str]:
     dirs = []
     if callback is not None and callback.dirpath is not None:
-        dirs.append(os.path.abspath(callback.dirpath))
+        dirs.append(storage.resolve(callback.dirpath))
     if loggers and isinstance(loggers[0], VersionedLogger):
-        root = os.path.join(loggers[0].save_dir, loggers[0].name)
-        dirs += glob.glob(os.path.join(root, "*", "checkpoints"))  # named versions too
-    dirs.append(os.path.join(default_root_dir, "checkpoints"))
+        root = storage.join(loggers[0].save_dir, loggers[0].name)
+        dirs += storage.glob(storage.join(root, "*", "checkpoints"))  # named versions too
+    dirs.append(storage.join(default_root_dir, "checkpoints"))
     return dirs
 
 
@@ -48,7 +47,7 @@ def resolve_ckpt_path(
     one in the run's checkpoint folders), ``"best"`` (the `ModelCheckpoint`'s best),
     or a folder."""
     if ckpt_path not in ("last", "best"):
-        return os.path.abspath(os.fspath(ckpt_path))
+        return storage.resolve(ckpt_path)
     if ckpt_path == "best" and callback is not None and callback.best_model_path:
         return callback.best_model_path
     dirs = _checkpoint_dirs(callback, loggers, default_root_dir)

@@ -1,0 +1,153 @@
+"""Runs kept in object storage: a real S3 server (moto's) on 127.0.0.1, dummy
+credentials, every metadata lookup off, so nothing here reaches past localhost."""
+
+import csv
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import jaxlightning as jl
+from jaxlightning.checkpoint import CheckpointError, complete_checkpoints, read_meta
+from jaxlightning.launch import free_port
+from tests.helpers import LitMLP, assert_bitwise_equal, digits, init_mlp, loader, trained_params
+
+boto3 = pytest.importorskip("boto3")
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+X, Y = digits(200)
+VX, VY = digits(45, offset=1000)
+
+
+@pytest.fixture(scope="module")
+def bucket():
+    port = free_port()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",  # boto3, s3fs and tensorboardX
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("moto's S3 server did not start") from None
+                time.sleep(0.1)
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in env.items():
+                mp.setenv(key, value)
+            client = boto3.client("s3")
+            client.create_bucket(Bucket="runs")
+            yield client
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _keys(client, prefix):
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket="runs", Prefix=prefix)
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+
+def _fit(root, *, max_steps=-1, ckpt_path=None, logger=True):
+    checkpoint = jl.ModelCheckpoint(monitor="val/loss", save_top_k=2)
+    trainer = jl.Trainer(
+        max_epochs=3,
+        max_steps=max_steps,
+        default_root_dir=root,
+        logger=[jl.TensorBoardLogger(root), jl.CSVLogger(root)] if logger else False,
+        callbacks=[checkpoint],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=2,
+    )
+    module = LitMLP(lr=1e-2, init_variables=init_mlp())
+    trainer.fit(module, loader(X, Y, 32, shuffle=True), loader(VX, VY, 16), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_run_in_the_bucket_resumes_from_last_bitwise_and_keeps_its_top_k(
+    bucket, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # anything written locally by mistake would land here
+    reference = trained_params(_fit(str(tmp_path / "local"), logger=False))
+
+    root = "s3://runs/digits"
+    stopped = _fit(root, max_steps=10)  # stops mid-epoch 1 (7 batches an epoch)
+    assert stopped.global_step == 10
+    ckpts = "digits/lightning_logs/version_0/checkpoints"
+    resumed = _fit(root, ckpt_path="last")
+    assert resumed.global_step == 21
+    assert_bitwise_equal(trained_params(resumed), reference)
+    assert resumed.log_dir == f"{root}/lightning_logs/version_0"  # the same run
+    assert os.listdir(tmp_path) == ["local"]  # no 's3:' folder: everything in the bucket
+
+    # The epoch-end validations, read back by TensorBoard from the bucket.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(resumed.log_dir)
+    events.Reload()
+    losses = {e.step: e.value for e in events.Scalars("val/loss")}
+    assert sorted(losses) == [6, 13, 20]  # after each epoch's last update
+    best_two = sorted(sorted(losses, key=losses.get)[:2])
+    kept = sorted(int(p.rsplit("/", 1)[1]) for p in complete_checkpoints(f"s3://runs/{ckpts}"))
+    assert kept == [s + 1 for s in best_two]  # a checkpoint is named by global_step
+    # The stopped run's step-10 checkpoint (its "last") is gone with the rest.
+    assert not [k for k in _keys(bucket, ckpts + "/10/")]
+    assert read_meta(f"s3://runs/{ckpts}/{kept[-1]}")["progress"]["global_step"] == kept[-1]
+
+    # The CSV log: one file, the stopped and the resumed run's rows in it.
+    body = bucket.get_object(Bucket="runs", Key="digits/lightning_logs/version_0/metrics.csv")
+    rows = list(csv.DictReader(io.StringIO(body["Body"].read().decode())))
+    logged = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
+    np.testing.assert_allclose(logged, [losses[s] for s in sorted(losses)], rtol=1e-6)
+
+
+def test_a_bucket_that_does_not_exist_is_named_before_training(bucket):
+    trainer = jl.Trainer(
+        max_epochs=1,
+        default_root_dir="s3://no-such-bucket/run",
+        logger=False,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoints to s3://no-such-bucket"):
+        trainer.fit(LitMLP(lr=1e-2, init_variables=init_mlp()), loader(X, Y, 32))
+
+
+def test_the_cli_saves_its_config_in_the_bucket(bucket, tmp_path, monkeypatch):
+    import yaml
+
+    from tests.helpers import load_example
+
+    monkeypatch.chdir(tmp_path)
+    digits = load_example("digits")
+    args = ["fit", "--trainer.max_steps=6", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false", "--trainer.default_root_dir=s3://runs/cli",
+            "--model.lr=0.005"]  # fmt: skip
+    cli = digits.DigitsCLI(digits.LitDigits, digits.DigitsData, args=args)
+    assert cli.trainer.global_step == 6
+    body = bucket.get_object(Bucket="runs", Key="cli/lightning_logs/version_0/config.yaml")
+    config = yaml.safe_load(body["Body"].read())
+    assert config["trainer"]["max_steps"] == 6 and config["model"]["lr"] == 0.005
+    assert config["trainer"]["default_root_dir"] == "s3://runs/cli"
+    assert os.listdir(tmp_path) == []
