@@ -136,7 +136,10 @@ def move(source: str, dest: str) -> None:
         os.rename(source, dest)
         return
     fs, key = _fs(source)
-    fs.mv(key, _fs(dest)[1], recursive=True)
+    target = _fs(dest)[1]
+    for obj in fs.find(key):  # fsspec's mv of a prefix does not copy what is under it
+        fs.copy(obj, target + obj[len(key) :])
+    remove_tree(source)
 
 
 def upload(local: str, url: str, *, last: tuple[str, ...] = ()) -> None:

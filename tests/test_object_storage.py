@@ -151,3 +151,31 @@ def test_the_cli_saves_its_config_in_the_bucket(bucket, tmp_path, monkeypatch):
     assert config["trainer"]["max_steps"] == 6 and config["model"]["lr"] == 0.005
     assert config["trainer"]["default_root_dir"] == "s3://runs/cli"
     assert os.listdir(tmp_path) == []
+
+
+def test_resuming_an_older_checkpoint_in_the_bucket_moves_the_newer_aside(bucket):
+    root = "s3://runs/aside"
+
+    def fit(ckpt_path=None):
+        trainer = jl.Trainer(
+            max_steps=9,
+            default_root_dir=root,
+            logger=False,
+            callbacks=[jl.ModelCheckpoint(every_n_train_steps=3, save_top_k=-1)],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(
+            LitMLP(lr=1e-2, init_variables=init_mlp()), loader(X, Y, 32), ckpt_path=ckpt_path
+        )
+
+    fit()
+    folder = f"{root}/checkpoints"
+    assert [p.rsplit("/", 1)[1] for p in complete_checkpoints(folder)] == ["3", "6", "9"]
+    with pytest.warns(UserWarning, match=r"steps \[6, 9\].*superseded-"):
+        fit(f"{folder}/3")
+    aside = {k.split("/")[2] for k in _keys(bucket, "aside/checkpoints/superseded-")}
+    assert len(aside) == 1  # one superseded-* folder, holding the old 6 and 9
+    moved = {k.split("/")[3] for k in _keys(bucket, "aside/checkpoints/superseded-")}
+    assert moved == {"6", "9"}
+    assert [p.rsplit("/", 1)[1] for p in complete_checkpoints(folder)] == ["3", "6", "9"]
