@@ -30,6 +30,7 @@ from jaxlightning.data.convert import dataset_length, loader_batch_size
 from jaxlightning.data.datamodule import fit_loaders, is_datamodule, stage_loaders
 from jaxlightning.data.datamodule import prepare as prepare_datamodule
 from jaxlightning.data.prefetch import torch_threads
+from jaxlightning.data.stateful import iterates_statefully
 from jaxlightning.loggers import Logger, TensorBoardLogger
 from jaxlightning.loop import resume
 from jaxlightning.loop.eval_loop import EvalLoop, as_list, eval_hook
@@ -612,7 +613,9 @@ class Trainer:
             batch_size=loader_batch_size(train),
             num_examples=dataset_length(train),
         )
-        state = resume.data_state(meta, jax.process_count(), jax.process_index())
+        state = None
+        if iterates_statefully(train):  # grain: its iterator's saved position
+            state = resume.data_state(meta, jax.process_count(), jax.process_index())
         self._pipeline.resume_state = self._progress.data_state = state
         # A fresh run always builds its state, even to train 0 steps (max_steps=0
         # initialises the module); one that continues a run may have nothing left.
