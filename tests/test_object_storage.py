@@ -179,3 +179,36 @@ def test_resuming_an_older_checkpoint_in_the_bucket_moves_the_newer_aside(bucket
     moved = {k.split("/")[3] for k in _keys(bucket, "aside/checkpoints/superseded-")}
     assert moved == {"6", "9"}
     assert [p.rsplit("/", 1)[1] for p in complete_checkpoints(folder)] == ["3", "6", "9"]
+
+
+def test_a_step_whose_upload_was_cut_short_is_never_last(bucket):
+    """checksums.json goes up last: a step in the bucket without it (the upload
+    of a run killed mid-way) is not complete, and "last" is the step before."""
+    root = "s3://runs/cut"
+    trainer = jl.Trainer(
+        max_steps=3,
+        default_root_dir=root,
+        logger=False,
+        callbacks=[jl.ModelCheckpoint(every_n_train_steps=3)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(LitMLP(lr=1e-2, init_variables=init_mlp()), loader(X, Y, 32))
+    keys = _keys(bucket, "cut/checkpoints/3/")
+    assert "cut/checkpoints/3/checksums.json" in keys and len(keys) > 1
+    for key in keys:  # step 6, uploaded but for its last file
+        if not key.endswith("/checksums.json"):
+            src = {"Bucket": "runs", "Key": key}
+            bucket.copy_object(Bucket="runs", Key=key.replace("/3/", "/6/"), CopySource=src)
+    folder = f"{root}/checkpoints"
+    assert [p.rsplit("/", 1)[1] for p in complete_checkpoints(folder)] == ["3"]
+    resumed = jl.Trainer(
+        max_steps=4,
+        default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    resumed.fit(LitMLP(lr=1e-2, init_variables=init_mlp()), loader(X, Y, 32), ckpt_path="last")
+    assert resumed.global_step == 4  # from step 3, not the incomplete 6
