@@ -67,7 +67,11 @@ def grain_dataset(source):
     )
 
 
-MAKERS = {"DataLoader": grain_loader, "IterDataset": grain_dataset}
+def grain_map_dataset(source):  # iterated with grain's default read-ahead threads
+    return grain.MapDataset.source(source).shuffle(seed=0).batch(32)
+
+
+MAKERS = {"DataLoader": grain_loader, "IterDataset": grain_dataset, "MapDataset": grain_map_dataset}
 
 
 def fit(data, tmp_path=None, ckpt_path=None, **kw):
@@ -101,7 +105,9 @@ def test_grain_resumes_mid_epoch_from_its_state_reading_nothing_twice(kind, tmp_
     resumed = fit(MAKERS[kind](source), tmp_path / "resumed", ckpt_path=ckpt)
     assert resumed.global_step == straight.global_step == 14
     assert_bitwise_equal(trained_params(resumed), trained_params(straight))
-    assert source.seen == straight_source.seen[96:]  # no batch read and dropped
+    assert len(source.seen) == 2 * 200 - 96  # no batch read and dropped
+    if kind != "MapDataset":  # read in order (no read-ahead threads): the very indices
+        assert source.seen == straight_source.seen[96:]
 
     # A record at an epoch's end holds no state: the next epoch is a fresh pass.
     _, record = straight.checkpoint_payload(straight.lightning_module)

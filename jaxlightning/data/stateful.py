@@ -1,6 +1,6 @@
 """Loaders that keep their own position: resumed from a saved iterator state.
 
-A grain ``DataLoader`` (or ``IterDataset``) iterates through an iterator with
+A grain ``DataLoader`` (or ``IterDataset``, ``MapDataset``) iterates through an iterator with
 ``get_state()`` / ``set_state(state)``: its position in the data (and, for a
 shuffled sampler, which examples are left) without the data itself. The
 Trainer notes that state after each batch it trains on, saves it with a
@@ -70,10 +70,10 @@ class StatefulPass:
 
 
 def iterates_statefully(loader: Any) -> bool:
-    """Whether ``loader`` is a grain ``DataLoader`` or ``IterDataset``, whose
-    iterators are `stateful` (told by type: building an iterator of a
-    DataLoader with workers would start them)."""
+    """Whether ``loader`` is a grain ``DataLoader``, ``IterDataset`` or
+    ``MapDataset``, whose iterators are `stateful` (told by type: building an
+    iterator of a DataLoader with workers would start them)."""
     grain = sys.modules.get("grain")  # not imported: not a grain loader
     if grain is None:
         return False
-    return isinstance(loader, (grain.DataLoader, grain.IterDataset))
+    return isinstance(loader, (grain.DataLoader, grain.IterDataset, grain.MapDataset))
