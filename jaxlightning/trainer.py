@@ -26,11 +26,10 @@ from jaxlightning.checkpoint import read_meta
 from jaxlightning.cost import StepCost
 from jaxlightning.data import Pipeline
 from jaxlightning.data.arrays import as_eval_loaders, as_loader
-from jaxlightning.data.convert import dataset_length, loader_batch_size
+from jaxlightning.data.convert import loader_batch_size
 from jaxlightning.data.datamodule import fit_loaders, is_datamodule, stage_loaders
 from jaxlightning.data.datamodule import prepare as prepare_datamodule
 from jaxlightning.data.prefetch import torch_threads
-from jaxlightning.data.stateful import iterates_statefully
 from jaxlightning.loggers import Logger, TensorBoardLogger
 from jaxlightning.loop import resume
 from jaxlightning.loop.eval_loop import EvalLoop, as_list, eval_hook
@@ -605,18 +604,7 @@ class Trainer:
         meta = read_meta(path) if path else None
         if meta is not None:
             self._reporter.resume_in(meta.get("log_dir"))
-        skip = resume.start_from(meta, self._progress)
-        skip = resume.rebatched(
-            meta,
-            skip,
-            processes=jax.process_count(),
-            batch_size=loader_batch_size(train),
-            num_examples=dataset_length(train),
-        )
-        state = None
-        if iterates_statefully(train):  # grain: its iterator's saved position
-            state = resume.data_state(meta, jax.process_count(), jax.process_index())
-        self._pipeline.resume_state = self._progress.data_state = state
+        skip, self._pipeline.resume_state = resume.start_from(meta, self._progress, train)
         # A fresh run always builds its state, even to train 0 steps (max_steps=0
         # initialises the module); one that continues a run may have nothing left.
         if path is not None or self._program.started:

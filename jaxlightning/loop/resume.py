@@ -8,9 +8,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+
 from jaxlightning import distributed, storage
 from jaxlightning.callbacks import ModelCheckpoint
 from jaxlightning.checkpoint import find_last, json_safe, read_meta, restore_variables
+from jaxlightning.data.convert import dataset_length, loader_batch_size
+from jaxlightning.data.stateful import iterates_statefully
 from jaxlightning.loggers import Logger
 from jaxlightning.loggers.base import VersionedLogger
 from jaxlightning.loop.hooks import Hooks
@@ -143,15 +147,31 @@ def nothing_left(
     return "" if epoch_end_due else f"max_steps={schedule.max_steps} reached"
 
 
-def start_from(meta: Mapping[str, Any] | None, progress: Progress) -> int:
+def start_from(
+    meta: Mapping[str, Any] | None, progress: Progress, loader: Any
+) -> tuple[int, dict | None]:
     """Moves ``progress`` to a checkpoint record's position; returns the batch
-    of the epoch to start from (0 without a checkpoint)."""
+    of the epoch to start from (0 without a checkpoint), in ``loader``'s batches
+    on this run's processes (`rebatched`), and, for a grain ``loader``, this
+    process's saved iterator state to go on from."""
     if meta is None:
-        return 0
+        return 0, None
     at = meta["progress"]
     progress.resume_at(at["epoch"], at["batch"], at["global_step"], at.get("total_batches"))
     progress.validated = bool(at.get("validated", False))
-    return at["batch"]
+    processes = jax.process_count()
+    skip = rebatched(
+        meta,
+        at["batch"],
+        processes=processes,
+        batch_size=loader_batch_size(loader),
+        num_examples=dataset_length(loader),
+    )
+    state = None
+    if iterates_statefully(loader):
+        state = data_state(meta, processes, jax.process_index())
+    progress.data_state = state
+    return skip, state
 
 
 def batching(processes: int, batch_size: int | None) -> dict[str, int] | None:
