@@ -1,11 +1,11 @@
 """Loaders that keep their own position: resumed from a saved iterator state.
 
-A grain ``DataLoader`` (or ``IterDataset``, ``MapDataset``) iterates through an iterator with
-``get_state()`` / ``set_state(state)``: its position in the data (and, for a
-shuffled sampler, which examples are left) without the data itself. The
-Trainer notes that state after each batch it trains on, saves it with a
-checkpoint (one per process) and gives it back to a fresh iterator on resume:
-the run goes on at the next batch without reading the batches before it.
+A grain ``DataLoader`` (or ``IterDataset``, ``MapDataset``) iterates through
+an iterator with ``get_state()`` / ``set_state(state)``: its position in the
+data (and, for a shuffled sampler, which examples are left) without the data
+itself. The Trainer notes that state after each batch it trains on, saves it
+with a checkpoint (one per process) and gives it back to a fresh iterator on
+resume: the run goes on at the next batch without reading the batches before it.
 """
 
 from __future__ import annotations
@@ -16,13 +16,6 @@ import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
-
-def stateful(iterator: Any) -> bool:
-    """Whether ``iterator`` reports and restores its position."""
-    return callable(getattr(iterator, "get_state", None)) and callable(
-        getattr(iterator, "set_state", None)
-    )
 
 
 def encode(state: Any) -> dict[str, Any]:
@@ -71,8 +64,8 @@ class StatefulPass:
 
 def iterates_statefully(loader: Any) -> bool:
     """Whether ``loader`` is a grain ``DataLoader``, ``IterDataset`` or
-    ``MapDataset``, whose iterators are `stateful` (told by type: building an
-    iterator of a DataLoader with workers would start them)."""
+    ``MapDataset``, whose iterators have ``get_state``/``set_state`` (told by
+    type: building an iterator of a DataLoader with workers would start them)."""
     grain = sys.modules.get("grain")  # not imported: not a grain loader
     if grain is None:
         return False
