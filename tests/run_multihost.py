@@ -4,6 +4,7 @@
         tests/run_multihost.py --root DIR --out result.npz [--sleep-per-step S] [--strategy fsdp]
         [--nnx] [--steps-per-execution K] [--log-every N]
         [--batch B] [--shuffle] [--save-every N] [--ckpt-path P] [--record FILE]
+        [--grain | --grain-global [--fits straight,resumed]]
 
 Global batch 64 (each process's DataLoader holds its share: 64 / processes),
 one epoch over 200 digits, validation on 45 (not a multiple of 8 devices).
@@ -41,6 +42,14 @@ def main(argv=None) -> None:
         help="train on a grain DataLoader sharded by process, checkpoint at step 2 and "
         "resume from it in a second fit; writes both runs' params",
     )
+    p.add_argument(
+        "--grain-global",
+        action="store_true",
+        help="train on a grain DataLoader cutting one global order by process, in the "
+        "fits --fits names: straight (checkpoints every 2 steps), resumed (from --ckpt-path); "
+        "writes their params, and with --record each fit's records read",
+    )
+    p.add_argument("--fits", type=lambda s: s.split(","), default=["straight"])
     args = p.parse_args(argv)
 
     import json
@@ -80,39 +89,59 @@ def main(argv=None) -> None:
             use_distributed_sampler=False,
         )
 
-    if args.grain:
+    if args.grain or args.grain_global:
         import grain
 
         class Source:
+            def __init__(self):
+                self.seen = []
+
             def __len__(self):
                 return 200
 
             def __getitem__(self, i):
+                self.seen.append(int(i))
                 return x[i], y[i]
 
             def __repr__(self):
                 return "Source(200)"
 
-        def grain_loader():
-            sampler = grain.samplers.IndexSampler(
-                num_records=200,
-                shuffle=True,
-                seed=0,
-                num_epochs=1,
-                shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True),
-            )
+        def grain_loader(source):
+            by_process = grain.sharding.ShardByJaxProcess(drop_remainder=True)
             batch = grain.transforms.Batch(batch_size=args.batch // jax.process_count())
-            return grain.DataLoader(data_source=Source(), sampler=sampler, operations=[batch])
+            if args.grain_global:  # one order, cut by process: resumable on another count
+                sampler = grain.samplers.IndexSampler(
+                    num_records=200, shuffle=True, seed=0, num_epochs=1
+                )
+                return grain.DataLoader(
+                    data_source=source,
+                    sampler=sampler,
+                    operations=[batch],
+                    shard_options=by_process,
+                    read_options=grain.ReadOptions(num_threads=0),  # records asked in order
+                )
+            sampler = grain.samplers.IndexSampler(
+                num_records=200, shuffle=True, seed=0, num_epochs=1, shard_options=by_process
+            )
+            return grain.DataLoader(data_source=source, sampler=sampler, operations=[batch])
 
         x, y = digits(200)
+        if args.grain_global:
+            fits = [(name, args.ckpt_path if name == "resumed" else None) for name in args.fits]
+        else:
+            fits = [("straight", None), ("resumed", "straight")]
         runs = {}
-        for name, ckpt in (("straight", None), ("resumed", "straight")):
+        for name, ckpt in fits:
             trainer = make_trainer(os.path.join(args.root, name))
-            if ckpt is not None:
+            if ckpt == "straight":
                 ckpt = os.path.join(args.root, ckpt, "lightning_logs/version_0/checkpoints/2")
             model = LitMLP(lr=1e-2, init_variables=init_mlp())
-            trainer.fit(model, grain_loader(), ckpt_path=ckpt)
+            source = Source()
+            trainer.fit(model, grain_loader(source), ckpt_path=ckpt)
             runs[name] = multihost_utils.process_allgather(trainer.state.params, tiled=True)
+            if args.record:
+                with open(f"{args.record}.{name}.rank{jax.process_index()}.json", "w") as f:
+                    json.dump({"seen": source.seen, "global_step": trainer.global_step}, f)
         if jax.process_index() == 0:
             np.savez(
                 args.out,

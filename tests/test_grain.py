@@ -115,15 +115,22 @@ def test_grain_resumes_mid_epoch_from_its_state_reading_nothing_twice(kind, tmp_
     assert (at_end["epoch"], at_end["batch"]) == (2, 0) and "data_state" not in at_end
 
 
-def test_grain_state_of_another_process_count_is_refused(tmp_path):
+def test_grain_states_that_are_not_one_order_cut_by_process_are_refused(tmp_path):
+    """Each saved state must be its process's shard of one order; a checkpoint
+    whose 2 states are one process's twice (a loader not cut by process) has
+    no position on 1 process. (Real resumes on another process count:
+    test_multihost, test_regrain.)"""
     fit(grain_loader(Digits()), tmp_path / "one")
     ckpt = tmp_path / "copy"
     shutil.copytree(tmp_path / "one/checkpoints/3", ckpt)
     record = next(p for p in ckpt.rglob("*") if p.is_file() and p.parent.name == "meta")
     meta = json.loads(record.read_text())
-    meta["progress"]["data_state"] *= 2  # as if 2 processes had saved it
+    meta["progress"]["data_state"] *= 2  # as if 2 processes had read the same records
     record.write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"states of 2 process\(es\), and this run has 1"):
+    with pytest.raises(
+        ValueError, match=r"states of 2 process\(es\), and this run has 1: process 0's saved data "
+        r"state is not that of shard 0 of 2 \(its last records are at global positions \[95\]\)"
+    ):  # fmt: skip
         fit(grain_loader(Digits()), ckpt_path=ckpt)
 
 

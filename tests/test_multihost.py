@@ -193,7 +193,7 @@ def test_sigterm_to_one_process_saves_every_process_at_the_next_step(tmp_path):
     steps away), and the checkpoint resumes in one process as an uninterrupted
     run trains."""
     proc = launch(
-        "--root", tmp_path, "--epochs", "100", "--sleep-per-step", "0.3", "--log-every", "50",
+        "--root", tmp_path, "--epochs", "100", "--sleep-per-step", "0.6", "--log-every", "50",
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     pids, lines, signalled_at = {}, [], None
@@ -319,6 +319,55 @@ def test_grain_sharded_by_process_resumes_mid_epoch_from_each_process_state(tmp_
     assert len(keys) == 6
     for k in keys:
         np.testing.assert_array_equal(runs["resumed" + k], runs["straight" + k], err_msg=k)
+
+
+def test_grain_one_order_cut_by_process_resumes_on_another_process_count(tmp_path):
+    """1 -> 2 and 2 -> 1 processes on a grain DataLoader that cuts one global
+    order by process: each resumed run reads exactly the records the
+    uninterrupted run had left (from the saved position, none read twice), and
+    trains to its params."""
+    import grain
+
+    sampler = grain.samplers.IndexSampler(num_records=200, shuffle=True, seed=0, num_epochs=1)
+    order = [int(sampler[i].record_key) for i in range(200)]  # grain's own order
+    ckpt = "lightning_logs/version_0/checkpoints/2"  # 2 global batches of 64: 128 records in
+    one, two, three = tmp_path / "one", tmp_path / "two", tmp_path / "three"
+    run_multihost.main(
+        ["--root", str(one), "--out", str(one / "r.npz"), "--grain-global",
+         "--record", str(one / "seen")]
+    )  # fmt: skip
+    (straight,) = _seen(one / "seen.straight", 1)
+    assert straight["seen"] == order and straight["global_step"] == 4  # 64, 64, 64, 8
+    result = launch(
+        "--root", two, "--out", two / "r.npz", "--grain-global", "--record", two / "seen",
+        "--fits", "straight,resumed", "--ckpt-path", one / "straight" / ckpt,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    for name, start in (("straight", 0), ("resumed", 128)):
+        ranks = _seen(two / f"seen.{name}", 2)
+        for p, rank in enumerate(ranks):  # process p reads the order's positions p, p+2, ...
+            assert rank["seen"] == order[start + p : 200 : 2], (name, p)
+            assert rank["global_step"] == 4
+    later = read_meta(two / "resumed" / "lightning_logs/version_0/checkpoints/4")["progress"]
+    assert len(later["data_state"]) == 2  # it saves its own processes' states
+    with np.load(one / "r.npz") as a, np.load(two / "r.npz") as b:
+        runs = {**{f"one{k}": v for k, v in a.items()}, **{f"two{k}": v for k, v in b.items()}}
+    keys = [k[len("onestraight") :] for k in runs if k.startswith("onestraight")]
+    assert len(keys) == 6
+    for k in keys:  # 2 x 4 devices = 1 x 8, as for a torch DataLoader
+        for other in ("twostraight", "tworesumed"):
+            np.testing.assert_allclose(runs[other + k], runs["onestraight" + k], atol=1e-6)
+
+    # 2 -> 1 with another global batch (32): batch 4 of this run's epoch is next.
+    run_multihost.main(
+        ["--root", str(three), "--out", str(three / "r.npz"), "--grain-global", "--batch", "32",
+         "--record", str(three / "seen"), "--fits", "resumed",
+         "--ckpt-path", str(two / "straight" / ckpt)]
+    )  # fmt: skip
+    (resumed,) = _seen(three / "seen.resumed", 1)
+    assert resumed["seen"] == order[128:] and resumed["global_step"] == 5  # + 32, 32, 8
+    at = read_meta(three / "resumed" / "lightning_logs/version_0/checkpoints/4")["progress"]
+    assert (at["epoch"], at["batch"]) == (0, 6)  # 192 records in, in batches of 32
 
 
 def _alone(code, **env):

@@ -70,3 +70,10 @@ def iterates_statefully(loader: Any) -> bool:
     if grain is None:
         return False
     return isinstance(loader, (grain.DataLoader, grain.IterDataset, grain.MapDataset))
+
+
+def grain_data_loader() -> tuple[type, ...]:
+    """grain's ``DataLoader`` class (as a tuple for ``isinstance``; empty when grain
+    is not imported, so nothing is one)."""
+    grain = sys.modules.get("grain")
+    return () if grain is None else (grain.DataLoader,)

@@ -13,8 +13,9 @@ import jax
 from jaxlightning import distributed, storage
 from jaxlightning.callbacks import ModelCheckpoint
 from jaxlightning.checkpoint import find_last, json_safe, read_meta, restore_variables
+from jaxlightning.data import regrain
 from jaxlightning.data.convert import dataset_length, loader_batch_size
-from jaxlightning.data.stateful import iterates_statefully
+from jaxlightning.data.stateful import decode, encode, grain_data_loader, iterates_statefully
 from jaxlightning.loggers import Logger
 from jaxlightning.loggers.base import VersionedLogger
 from jaxlightning.loop.hooks import Hooks
@@ -169,7 +170,8 @@ def start_from(
     )
     state = None
     if iterates_statefully(loader):
-        state = data_state(meta, processes, jax.process_index())
+        state, skip = data_state(meta, loader, skip, processes, jax.process_index())
+    progress.position = (at["epoch"], skip)  # in this run's batches, as its checkpoints save
     progress.data_state = state
     return skip, state
 
@@ -220,19 +222,42 @@ def rebatched(
     return consumed // now
 
 
-def data_state(meta: Mapping[str, Any] | None, processes: int, rank: int) -> dict | None:
-    """This process's saved iterator state of a stateful training loader (grain's)."""
+def data_state(
+    meta: Mapping[str, Any] | None, loader: Any, skip: int, processes: int, rank: int
+) -> tuple[dict | None, int]:
+    """This process's saved iterator state of a stateful training loader (grain's)
+    and the batch of the epoch it resumes at (``skip`` on the checkpoint's
+    process count). On another process count, a grain ``DataLoader``'s states
+    are carried to this run's layout at the same global position (`regrain`)."""
     states = (meta or {}).get("progress", {}).get("data_state")
     if not states:
-        return None
-    if len(states) != processes:
+        return None, skip
+    if len(states) == processes:
+        return states[rank], skip
+    where = (
+        f"the checkpoint holds the data iterators' states of {len(states)} process(es), and "
+        f"this run has {processes}"
+    )
+    if not isinstance(loader, grain_data_loader()):
         raise ValueError(
-            f"the checkpoint holds the data iterators' states of {len(states)} process(es), "
-            f"and this run has {processes}: a grain loader's state is its own shard's "
-            "position, which another process count cannot continue. Resume on "
-            f"{len(states)} process(es), or from a checkpoint taken at an epoch's end"
+            f"{where}: a grain dataset's state is its own shard's position, which another "
+            "process count cannot continue (a grain DataLoader's can be carried over). "
+            f"Resume on {len(states)} process(es), or from a checkpoint taken at an epoch's end"
         )
-    return states[rank]
+    saved = [json.loads(decode(state)) for state in states]
+    try:
+        position = regrain.consumed(saved)
+        state, batches = regrain.state_at(position, regrain.layout(loader), saved[0])
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    if batches != skip and distributed.is_rank_zero():
+        print(
+            f"resuming a grain DataLoader of {len(states)} process(es) on {processes}: at "
+            f"record {position} of its order, batch {batches} of the epoch here "
+            f"(batch {skip} there)",
+            flush=True,
+        )
+    return encode(json.dumps(state, indent=4).encode()), batches
 
 
 def load_instead(module: JaxModule, path: str | None, progress: Progress, reason: str) -> None:
