@@ -115,6 +115,29 @@ def test_grain_resumes_mid_epoch_from_its_state_reading_nothing_twice(kind, tmp_
     assert (at_end["epoch"], at_end["batch"]) == (2, 0) and "data_state" not in at_end
 
 
+def test_grain_resumed_with_another_batch_size_counts_its_batches_in_it(tmp_path):
+    """The checkpoint after 3 batches of 32 (96 records) resumes with batches of
+    48 at batch 2 of the epoch, reading on from record 96."""
+    fit(grain_loader(Digits()), tmp_path / "one")
+
+    class Batches(jl.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_end(self, trainer, module, batch_idx):
+            self.seen.append((trainer.current_epoch, batch_idx))
+
+    source, batches = Digits(), Batches()
+    trainer = quiet_trainer(max_epochs=1, callbacks=[batches], enable_checkpointing=False)
+    module = LitMLP(lr=1e-2, init_variables=init_mlp())
+    ckpt = tmp_path / "one/checkpoints/3"
+    trainer.fit(module, grain_loader(source, batch_size=48), ckpt_path=ckpt)
+    assert batches.seen == [(0, 2), (0, 3), (0, 4)]  # 48, 48 and the last 8 of 200
+    straight = Digits()
+    list(grain_loader(straight))  # grain's own pass, in its order
+    assert source.seen == straight.seen[96:]
+
+
 def test_grain_states_that_are_not_one_order_cut_by_process_are_refused(tmp_path):
     """Each saved state must be its process's shard of one order; a checkpoint
     whose 2 states are one process's twice (a loader not cut by process) has

@@ -233,7 +233,7 @@ def data_state(
     if not states:
         return None, skip
     if len(states) == processes:
-        return states[rank], skip
+        return states[rank], _rebatched_grain(states, loader, skip)
     where = (
         f"the checkpoint holds the data iterators' states of {len(states)} process(es), and "
         f"this run has {processes}"
@@ -258,6 +258,20 @@ def data_state(
             flush=True,
         )
     return encode(json.dumps(state, indent=4).encode()), batches
+
+
+def _rebatched_grain(states: list[dict], loader: Any, skip: int) -> int:
+    """On the checkpoint's process count, a grain ``DataLoader``'s own state goes
+    on as it is; the batch of the epoch it stands at is counted in this run's
+    batch size where that can be read (else ``skip``, the checkpoint's count)."""
+    if not isinstance(loader, grain_data_loader()):
+        return skip
+    try:
+        saved = [json.loads(decode(state)) for state in states]
+        _, batches = regrain.state_at(regrain.consumed(saved), regrain.layout(loader), saved[0])
+    except (ValueError, TypeError, KeyError):
+        return skip
+    return batches
 
 
 def load_instead(module: JaxModule, path: str | None, progress: Progress, reason: str) -> None:
