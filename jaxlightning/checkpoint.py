@@ -10,8 +10,8 @@ when complete, so a folder whose name is a plain step number is always whole; a
 save interrupted by a crash leaves only a temporary folder that is never chosen.
 
 A folder in object storage (`storage`) is written by orbax itself where
-TensorStore can (``gs://``: every process writes its own shards, orbax marks
-the step done with ``commit_success.txt``, and ``checksums.json`` follows),
+TensorStore can (``gs://``: orbax marks the step done with
+``commit_success.txt``, and ``checksums.json`` follows),
 else through a local staging folder (``s3://``): orbax writes the step there as
 above, and it is uploaded, ``checksums.json`` last, on the same background
 thread that computes the checksums. Either way, a step in the bucket without
@@ -181,18 +181,17 @@ class CheckpointWriter:
     """
 
     def __init__(self, dirpath: str, *, async_save: bool = True) -> None:
-        # In object storage orbax does not write: staged here, uploaded by the
-        # checksum thread (`remote` is where to).
+        if storage.is_remote(dirpath) and jax.process_count() > 1:
+            raise CheckpointError(
+                f"checkpoints in object storage ({storage.resolve(dirpath)}) are written by a "
+                "single process here; in a multi-process run give ModelCheckpoint(dirpath=...) "
+                "a folder every process shares (a gcsfuse or s3 mount, say)"
+            )
+        # In object storage orbax does not write (s3://): staged here, uploaded
+        # by the checksum thread (`remote` is where to); gs:// it writes itself.
         self.remote = None
         if storage.is_remote(dirpath) and not storage.orbax_writes(dirpath):
             self.remote = storage.resolve(dirpath)
-            if jax.process_count() > 1:
-                raise CheckpointError(
-                    f"checkpoints in {self.remote.split(':', 1)[0]}:// object storage are "
-                    "staged and uploaded by a single process; in a multi-process run give "
-                    "ModelCheckpoint(dirpath=...) a gs:// folder (orbax writes every "
-                    "process's shards there) or a folder every process shares (a mount)"
-                )
             _check_writable(self.remote)
             self.dirpath = tempfile.mkdtemp(prefix="jaxlightning-stage-")
         else:

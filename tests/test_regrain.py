@@ -76,8 +76,8 @@ def rest(loader, state=None, skip=0):
 @pytest.mark.parametrize(
     "before, steps, after",
     [((2, 8, 0), 3, (1, 16, 0)), ((1, 16, 0), 3, (2, 8, 0)), ((2, 8, 0), 3, (4, 4, 0)),
-     ((4, 2, 0), 6, (3, 2, 0)), ((2, 4, 0), 4, (1, 8, 2))],
-    ids=["2->1", "1->2", "2->4", "4->3", "2->1 with workers"],
+     ((4, 2, 0), 6, (3, 2, 0)), ((2, 4, 0), 4, (1, 8, 2)), ((1, 8, 2), 4, (2, 4, 0))],
+    ids=["2->1", "1->2", "2->4", "4->3", "2->1 into workers", "1->2 from workers"],
 )  # fmt: skip
 def test_a_saved_position_continues_on_another_layout_as_an_uninterrupted_run(before, steps, after):
     (shards, batch, workers), (now, size, now_workers) = before, after

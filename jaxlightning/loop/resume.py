@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,7 +57,9 @@ def resolve_ckpt_path(
     if ckpt_path == "best" and callback is not None and callback.best_model_path:
         return callback.best_model_path
     dirs = _checkpoint_dirs(callback, loggers, default_root_dir)
-    last = find_last(dirs)
+    # Process 0's listing for all: it writes the checksums that make a step
+    # complete, so another process may not see its newest step complete yet.
+    last = distributed.gather_json(find_last(dirs))[0]
     if last is None:
         raise FileNotFoundError(
             f"ckpt_path={ckpt_path!r}: no complete checkpoint in "
@@ -268,10 +271,18 @@ def _rebatched_grain(states: list[dict], loader: Any, skip: int) -> int:
         return skip
     try:
         saved = [json.loads(decode(state)) for state in states]
-        _, batches = regrain.state_at(regrain.consumed(saved), regrain.layout(loader), saved[0])
+        position, layout = regrain.consumed(saved), regrain.layout(loader)
     except (ValueError, TypeError, KeyError):
+        return skip  # grain goes on from its own state; the count stays the checkpoint's
+    try:
+        return regrain.state_at(position, layout, saved[0])[1]
+    except ValueError as exc:
+        warnings.warn(
+            f"resuming the grain DataLoader at record {position} of its order, from its own "
+            f"state; its batches are counted from the checkpoint's batch {skip}, since {exc}",
+            stacklevel=4,
+        )
         return skip
-    return batches
 
 
 def load_instead(module: JaxModule, path: str | None, progress: Progress, reason: str) -> None:
