@@ -210,3 +210,24 @@ def trained_params(trainer) -> dict:
 def assert_bitwise_equal(a, b) -> None:
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def bucket_fit(root, *, max_steps=-1, ckpt_path=None, logger=True) -> jl.Trainer:
+    """The object-storage tests' run (S3 and GCS): 3 epochs of 200 digits in
+    batches of 32, the 2 best by val/loss kept, TensorBoard and CSV in ``root``."""
+    x, y = digits(200)
+    vx, vy = digits(45, offset=1000)
+    checkpoint = jl.ModelCheckpoint(monitor="val/loss", save_top_k=2)
+    trainer = jl.Trainer(
+        max_epochs=3,
+        max_steps=max_steps,
+        default_root_dir=root,
+        logger=[jl.TensorBoardLogger(root), jl.CSVLogger(root)] if logger else False,
+        callbacks=[checkpoint],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=2,
+    )
+    module = LitMLP(lr=1e-2, init_variables=init_mlp())
+    trainer.fit(module, loader(x, y, 32, shuffle=True), loader(vx, vy, 16), ckpt_path=ckpt_path)
+    return trainer

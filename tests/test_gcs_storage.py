@@ -18,9 +18,10 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 import jaxlightning as jl  # noqa: E402
 from jaxlightning.checkpoint import CheckpointError, complete_checkpoints, read_meta  # noqa: E402
 from jaxlightning.launch import free_port  # noqa: E402
-from tests.helpers import (  # noqa: E402
+from tests.helpers import (
     LitMLP,
     assert_bitwise_equal,
+    bucket_fit,  # noqa: E402
     digits,
     init_mlp,
     loader,
@@ -81,21 +82,7 @@ def bucket():
         server.stop()
 
 
-def _fit(root, *, max_steps=-1, ckpt_path=None, logger=True):
-    checkpoint = jl.ModelCheckpoint(monitor="val/loss", save_top_k=2)
-    trainer = jl.Trainer(
-        max_epochs=3,
-        max_steps=max_steps,
-        default_root_dir=root,
-        logger=[jl.TensorBoardLogger(root), jl.CSVLogger(root)] if logger else False,
-        callbacks=[checkpoint],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=2,
-    )
-    module = LitMLP(lr=1e-2, init_variables=init_mlp())
-    trainer.fit(module, loader(X, Y, 32, shuffle=True), loader(VX, VY, 16), ckpt_path=ckpt_path)
-    return trainer
+_fit = bucket_fit
 
 
 def test_a_run_in_a_gcs_bucket_resumes_from_last_bitwise_and_keeps_its_top_k(

@@ -15,7 +15,15 @@ import pytest
 import jaxlightning as jl
 from jaxlightning.checkpoint import CheckpointError, complete_checkpoints, read_meta
 from jaxlightning.launch import free_port
-from tests.helpers import LitMLP, assert_bitwise_equal, digits, init_mlp, loader, trained_params
+from tests.helpers import (
+    LitMLP,
+    assert_bitwise_equal,
+    bucket_fit,
+    digits,
+    init_mlp,
+    loader,
+    trained_params,
+)
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("s3fs")
@@ -69,21 +77,7 @@ def _keys(client, prefix):
     return [o["Key"] for page in pages for o in page.get("Contents", [])]
 
 
-def _fit(root, *, max_steps=-1, ckpt_path=None, logger=True):
-    checkpoint = jl.ModelCheckpoint(monitor="val/loss", save_top_k=2)
-    trainer = jl.Trainer(
-        max_epochs=3,
-        max_steps=max_steps,
-        default_root_dir=root,
-        logger=[jl.TensorBoardLogger(root), jl.CSVLogger(root)] if logger else False,
-        callbacks=[checkpoint],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=2,
-    )
-    module = LitMLP(lr=1e-2, init_variables=init_mlp())
-    trainer.fit(module, loader(X, Y, 32, shuffle=True), loader(VX, VY, 16), ckpt_path=ckpt_path)
-    return trainer
+_fit = bucket_fit
 
 
 def test_a_run_in_the_bucket_resumes_from_last_bitwise_and_keeps_its_top_k(
