@@ -9,14 +9,11 @@ it kept them in ``meta``). Orbax writes into a temporary folder and renames it
 when complete, so a folder whose name is a plain step number is always whole; a
 save interrupted by a crash leaves only a temporary folder that is never chosen.
 
-A folder in object storage (`storage`) is written by orbax itself where
-TensorStore can (``gs://``: orbax marks the step done with
-``commit_success.txt``, and ``checksums.json`` follows),
-else through a local staging folder (``s3://``): orbax writes the step there as
-above, and it is uploaded, ``checksums.json`` last, on the same background
-thread that computes the checksums. Either way, a step in the bucket without
-that file is not complete. Restoring downloads the step into a temporary
-folder first.
+A folder in object storage (``s3://``, ``gs://``: `storage`) is written through
+a local staging folder: orbax writes the step there as above, and the step is
+uploaded, ``checksums.json`` last, on the same background thread that computes
+the checksums; a step in the bucket without that file is not complete.
+Restoring downloads the step into a temporary folder first.
 """
 
 from __future__ import annotations
@@ -46,7 +43,6 @@ FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"\d+")
 _PARAMS = "state/params/"
 CHECKSUMS = "checksums.json"
-_COMMITTED = "commit_success.txt"  # orbax's mark of a step written in place (object storage)
 
 
 class CheckpointError(ValueError):
@@ -105,7 +101,7 @@ class _Checksums(threading.Thread):
     ) -> None:
         super().__init__(name="jaxlightning-checksums", daemon=True)
         self._arrays: dict[str, np.ndarray] | None = arrays
-        self._folder = folder  # local, or a bucket's that orbax writes itself
+        self._folder = folder
         self._upload_to = upload_to  # then the folder is staged: uploaded, then removed
         self.cancelled = threading.Event()  # the save failed: its folder never comes
         self.error: BaseException | None = None
@@ -115,17 +111,10 @@ class _Checksums(threading.Thread):
         try:
             result = checksums(self._arrays)
             self._arrays = None  # the host copy is not kept past its checksums
-            # In a bucket, orbax writes the step in place and marks it done last.
-            remote = storage.is_remote(self._folder)
-            done = (
-                (lambda: storage.exists(storage.join(self._folder, _COMMITTED)))
-                if remote
-                else (lambda: _has_arrays(self._folder))
-            )
-            while not done():
-                if self.cancelled.wait(0.1 if remote else 0.01):
+            while not _has_arrays(self._folder):
+                if self.cancelled.wait(0.01):
                     return
-            _write_json(storage.join(self._folder, CHECKSUMS), result)
+            _write_json(os.path.join(self._folder, CHECKSUMS), result)
             if self._upload_to is not None:
                 storage.upload(self._folder, self._upload_to, last=(CHECKSUMS,))
                 shutil.rmtree(self._folder, ignore_errors=True)
@@ -181,21 +170,19 @@ class CheckpointWriter:
     """
 
     def __init__(self, dirpath: str, *, async_save: bool = True) -> None:
-        if storage.is_remote(dirpath) and jax.process_count() > 1:
-            raise CheckpointError(
-                f"checkpoints in object storage ({storage.resolve(dirpath)}) are written by a "
-                "single process here; in a multi-process run give ModelCheckpoint(dirpath=...) "
-                "a folder every process shares (a gcsfuse or s3 mount, say)"
-            )
-        # In object storage orbax does not write (s3://): staged here, uploaded
-        # by the checksum thread (`remote` is where to); gs:// it writes itself.
-        self.remote = None
-        if storage.is_remote(dirpath) and not storage.orbax_writes(dirpath):
-            self.remote = storage.resolve(dirpath)
+        # In object storage: staged here, uploaded by the checksum thread.
+        self.remote = storage.resolve(dirpath) if storage.is_remote(dirpath) else None
+        if self.remote is not None:
+            if jax.process_count() > 1:
+                raise CheckpointError(
+                    f"checkpoints in object storage ({self.remote}) are written by a single "
+                    "process; in a multi-process run give ModelCheckpoint(dirpath=...) a "
+                    "folder every process shares (a gcsfuse or s3 mount, say)"
+                )
             _check_writable(self.remote)
             self.dirpath = tempfile.mkdtemp(prefix="jaxlightning-stage-")
         else:
-            self.dirpath = storage.resolve(dirpath)
+            self.dirpath = os.path.abspath(dirpath)
             _check_writable(self.dirpath)
         self._manager = ocp.CheckpointManager(
             self.dirpath,
@@ -220,9 +207,9 @@ class CheckpointWriter:
         record = dict(meta, format_version=FORMAT_VERSION, saved_at=time.time())
         record["checksums"] = CHECKSUMS  # where they are (a dict: inside, as saved before)
         if jax.process_index() == 0:
-            folder = storage.join(self.dirpath, str(step))
+            staged = os.path.join(self.dirpath, str(step))
             upload_to = None if self.remote is None else self.path(step)
-            self._checksums = _Checksums(checksummed(state), folder, upload_to)
+            self._checksums = _Checksums(checksummed(state), staged, upload_to)
         self._pending = step
         try:
             self._manager.save(
@@ -274,9 +261,8 @@ class CheckpointWriter:
             summing.cancelled.set()
         self._reported = True
         # Free the disk space of the half-written folder; it is never chosen anyway.
-        if not storage.is_remote(self.dirpath):
-            for tmp in glob.glob(os.path.join(self.dirpath, f"{step}.orbax-checkpoint-tmp*")):
-                shutil.rmtree(tmp, ignore_errors=True)
+        for tmp in glob.glob(os.path.join(self.dirpath, f"{step}.orbax-checkpoint-tmp*")):
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
             f"saving the checkpoint of step {step} to {self.dirpath} failed: {exc}"
         ) from exc
@@ -287,9 +273,8 @@ class CheckpointWriter:
         return [int(os.path.basename(p)) for p in complete_checkpoints(folder)]
 
     def delete(self, step: int) -> None:
-        if storage.is_remote(self.path(step)):
-            if jax.process_index() == 0:  # one process deletes a bucket's objects
-                storage.remove_tree(self.path(step))
+        if self.remote is not None:
+            storage.remove_tree(self.path(step))
             return
         self._manager.reload()
         self._manager.delete(step)
@@ -314,12 +299,7 @@ class CheckpointWriter:
 
 
 def _write_json(path: str, value: Any) -> None:
-    """Writes ``value`` to ``path`` whole or not at all (a temporary file
-    renamed; an object in a bucket is written whole by one request)."""
-    if storage.is_remote(path):
-        with storage.open_file(path, "w") as f:
-            json.dump(value, f)
-        return
+    """Writes ``value`` to ``path`` whole or not at all (a temporary file renamed)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(value, f)

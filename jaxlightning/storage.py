@@ -27,12 +27,6 @@ def is_remote(path: str | os.PathLike[str]) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
-def orbax_writes(url: str) -> bool:
-    """Whether orbax writes checkpoints to ``url`` itself (TensorStore's GCS
-    driver: ``gs://``); other stores take a staged copy (`upload`)."""
-    return str(url).startswith("gs://")
-
-
 def resolve(path: str | os.PathLike[str]) -> str:
     """An absolute local path, or the URL as it is (without a trailing ``/``):
     `os.path.abspath` would fold ``s3://bucket`` into a local ``s3:/bucket``."""

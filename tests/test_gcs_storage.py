@@ -16,7 +16,11 @@ import pytest
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import jaxlightning as jl  # noqa: E402
-from jaxlightning.checkpoint import CheckpointError, complete_checkpoints, read_meta  # noqa: E402
+from jaxlightning.checkpoint import (  # noqa: E402
+    CheckpointError,
+    complete_checkpoints,
+    read_meta,
+)
 from jaxlightning.launch import free_port  # noqa: E402
 from tests.helpers import (
     LitMLP,
@@ -51,11 +55,6 @@ def bucket():
             mp.setenv("STORAGE_EMULATOR_HOST", url)  # google-cloud-storage (tensorboardX)
             mp.setenv("NO_GCE_CHECK", "true")  # google-auth: no metadata server
             mp.setenv("GOOGLE_CLOUD_PROJECT", "test")
-            mp.setenv("TENSORSTORE_GCS_HTTP_URL", url)  # orbax's arrays, through TensorStore
-            mp.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "anonymous")  # TensorStore's credentials
-            mp.setenv("TENSORSTORE_GCS_REQUEST_CONCURRENCY", "1")  # the emulator serves one
-            mp.setenv("FSSPEC_GS_ENDPOINT_URL", url)  # gcsfs, in processes started from here
-            mp.setenv("FSSPEC_GS_TOKEN", "anon")
             for protocol in saved:  # gcsfs, as a user's ~/.config/fsspec would set it
                 fsspec.config.conf[protocol] = {"endpoint_url": url, "token": "anon"}
             client = gcs.Client(
