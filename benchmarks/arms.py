@@ -383,7 +383,10 @@ def checkpoint_stall(size: dict[str, int], rounds: int) -> dict[str, Any]:
     }
 
 
-def _startup(framework: str, cache: str | None, samples: int, host: bool = False) -> dict[str, Any]:
+def _startup(
+    framework: str, cache: str | None, samples: int, host: bool = False, *extra: str
+) -> dict[str, Any]:
+    """One `benchmarks.startup` job in a fresh process (``extra``: its flags)."""
     with tempfile.TemporaryDirectory() as root:
         cmd = [
             sys.executable,
@@ -400,6 +403,7 @@ def _startup(framework: str, cache: str | None, samples: int, host: bool = False
             cmd += ["--cache", cache]
         if host:
             cmd.append("--host")
+        cmd += extra
         # A cold start is one without a cache: not one named by the environment.
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
         done = subprocess.run(
@@ -448,6 +452,53 @@ def startup(size: dict[str, int], rounds: int) -> dict[str, Any]:
             out[f"{name}_fit_over_lightning"] = _median(
                 [o["fit"] / p["fit"] for o, p in zip(res[name], res["lightning"], strict=True)]
             )
+    return out
+
+
+def workers(size: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Arm 13: DataLoader workers, each job a fresh process from its own script
+    (a forkserver or spawn worker imports it again). 2 workers started by the
+    Trainer's default (fork) and by forkserver (its default before), against
+    none, on the host path: rows read by a per-example ``__getitem__`` (where
+    workers help) and a TensorDataset gathered whole (where they cannot).
+    First batch: seconds to the first finished training step; epoch: the
+    steady epoch time (validation included, workers started anew each epoch).
+    """
+    samples, epochs = size["short_samples"], max(size["epochs"], 3)
+    cache = tempfile.mkdtemp(prefix="jl-cache-")
+
+    def job(n: int, context: str | None = None, per_example: bool = True) -> Any:
+        flags = ["--epochs", str(epochs), "--workers", str(n)]
+        flags += ["--context", context] if context else []
+        flags += ["--per-example"] if per_example else []
+        return lambda: _startup("jl", cache, samples, True, *flags)
+
+    job(0)()  # fills the compilation cache: every arm then starts warm
+    res = common.interleave(
+        rounds,
+        {
+            "none": job(0),
+            "fork": job(2),
+            "forkserver": job(2, "forkserver"),
+            "none_tensor": job(0, per_example=False),
+            "fork_tensor": job(2, per_example=False),
+        },
+    )
+    out: dict[str, Any] = {}
+    for name, runs in res.items():
+        out[f"{name}_first_step_s"] = _median([r["first_step"] for r in runs])
+        out[f"{name}_epoch_s"] = _median([common.steady(r["epochs"]) for r in runs])
+    for name in ("fork", "forkserver"):
+        out[f"{name}_first_step_minus_none_s"] = _median(
+            [w["first_step"] - z["first_step"] for w, z in zip(res[name], res["none"], strict=True)]
+        )
+    for name, base in (("fork", "none"), ("forkserver", "none"), ("fork_tensor", "none_tensor")):
+        out[f"{name}_epoch_over_{base}"] = _median(
+            [
+                common.steady(w["epochs"]) / common.steady(z["epochs"])
+                for w, z in zip(res[name], res[base], strict=True)
+            ]
+        )
     return out
 
 

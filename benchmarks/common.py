@@ -75,12 +75,19 @@ class RowDataset(Dataset):
 
 
 def loader(
-    x: np.ndarray, y: np.ndarray, batch_size: int, collate: Any = None, per_example: bool = False
+    x: np.ndarray,
+    y: np.ndarray,
+    batch_size: int,
+    collate: Any = None,
+    per_example: bool = False,
+    **kwargs: Any,
 ) -> DataLoader:
+    """``kwargs`` go to the DataLoader (``num_workers``, ...)."""
     ds = (
         RowDataset(x, y) if per_example else TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
     )
-    kwargs = {"collate_fn": collate} if collate is not None else {}
+    if collate is not None:
+        kwargs["collate_fn"] = collate
     return DataLoader(ds, batch_size=batch_size, **kwargs)
 
 

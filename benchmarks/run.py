@@ -45,6 +45,7 @@ GROUPS: dict[str, tuple[int, list[str]]] = {
     "multi": (8, ["vs_seeds_pmap", "strategies", "sharded", "sharded_memory"]),
     "startup": (1, ["startup"]),
     "data": (1, ["data_path"]),
+    "workers": (1, ["workers"]),
 }
 
 # (result path, target, higher is better)
@@ -64,6 +65,8 @@ TARGETS: list[tuple[str, float, bool]] = [
     ("data.data_path.resident_vs_bare_resident", 0.9, True),
     ("data.data_path.spe8_vs_keras_spe8", 1.2, True),
     ("data.data_path.spe8_vs_lightning", 2.5, True),
+    ("workers.workers.fork_first_step_minus_none_s", 1.0, False),
+    ("workers.workers.fork_epoch_over_none", 1.0, False),
     ("multi.sharded_memory.fsdp.vs_data_parallel", 0.40, False),
     ("multi.sharded_memory.fsdp_remat.vs_data_parallel", 0.25, False),
 ]

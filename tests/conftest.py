@@ -1,5 +1,9 @@
-"""Test set-up: 8 simulated CPU devices, set before jax is imported, and one
-persistent compilation cache for the session.
+"""Test set-up: 8 simulated CPU devices, set before jax is imported, one
+persistent compilation cache for the session, and the two tiers.
+
+``pytest`` runs the fast tier; ``pytest --full`` runs every test, the ones
+marked ``@pytest.mark.slow`` too (multi-process jobs, object-storage servers,
+fault injection, benchmark smoke runs, subprocess scripts, long sweeps).
 
 Most of the suite's time is XLA compiling the same small programs again in
 every test (each fit builds its own jitted steps); a cache shared by the
@@ -35,6 +39,25 @@ def _use_cache(enabled: bool, path: str | None = _SESSION_CACHE) -> None:
     jax.config.update("jax_enable_compilation_cache", enabled)
     jax.config.update("jax_compilation_cache_dir", path)
     compilation_cache.reset_cache()  # JAX decides once whether a cache is in use
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full", action="store_true", help="run the full suite: slow tests (marked slow) too"
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: in the full suite only (pytest --full)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--full"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 @pytest.fixture

@@ -49,4 +49,7 @@ def test_benchmark_suite_runs_on_tiny_settings(tmp_path):
     assert data["resident_vs_host"] > 0 and data["host"]["epoch_s"] > 0
     assert data["spe8_vs_spe1"] > 0 and data["resident_spe8"]["epoch_s"] > 0
     assert single["vs_lightning"]["lightning_samples_per_s"] > 0
+    workers = results["groups"]["workers"]["workers"]
+    for arm in ("none", "fork", "forkserver", "none_tensor", "fork_tensor"):
+        assert workers[f"{arm}_first_step_s"] > 0 and workers[f"{arm}_epoch_s"] > 0
     assert "single.vs_bare_jit.batch_128.ratio" in done.stdout  # the table

@@ -31,8 +31,8 @@ from jaxlightning.data.sampling import (
     common_num_batches,
     epoch_loader,
     in_dataset_order,
-    make_fork_safe,
     ownable,
+    set_worker_start,
     whole_batches,
 )
 from jaxlightning.data.stateful import Stamped, StatefulPass, iterates_statefully
@@ -79,9 +79,9 @@ class Pipeline:
             ``False``: always the host path.
 
     A rebuilt loader is built once per user loader and re-aimed each epoch, so
-    ``persistent_workers=True`` keeps its worker processes; DataLoader workers
-    the user gave no start method start from a forkserver (or spawn), never by
-    forking this multithreaded process.
+    ``persistent_workers=True`` keeps its worker processes. DataLoader workers
+    the user gave no start method are forked on Linux (`worker_start_method`),
+    from the calling thread at a quiescent point (`prefetch.start_on_caller`).
     """
 
     def __init__(
@@ -262,7 +262,7 @@ class Pipeline:
         except TypeError:  # not weakly referenceable (a list of batches): nothing to keep
             return make(loader)
         if role not in roles:
-            make_fork_safe(loader)
+            set_worker_start(loader)
             wrapped = make(loader)
             if wrapped is loader:  # kept by the user already; a self-reference would pin it
                 return loader

@@ -8,8 +8,11 @@ copies overlap the step; `Batches` is one pass of it with its first batch taken.
 from __future__ import annotations
 
 import contextlib
+import gc
+import itertools
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,10 +53,49 @@ class DeviceBatch:
 _END = object()
 
 
+@contextlib.contextmanager
+def quiescent_fork() -> Iterator[None]:
+    """Makes the forks started in the block (DataLoader workers) safe from JAX.
+
+    A forked child holds a copy of every object and a single thread; locks
+    that JAX's threads held at the fork stay held in it for ever. The child
+    only runs Python and torch (the dataset, the collate function, the queue
+    to the parent), so it meets such a lock only by finalizing a JAX object it
+    inherited: a garbage collection in the child that frees a device array
+    calls into XLA. Freezing the collector's generations across the fork puts
+    every object that exists now out of the child's collections (the parent
+    unfreezes them after), and JAX's warning, which says that fork "will
+    likely lead to a deadlock", is not shown for a fork made this way.
+    """
+    gc.freeze()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+            yield
+    finally:
+        gc.unfreeze()
+
+
+def start_on_caller(loader: Iterable[Any]) -> tuple[Iterator[Any], Any]:
+    """``loader``'s iterator and its first item (`_END` if it has none), both
+    taken in the calling thread.
+
+    A DataLoader starts its worker processes when its iteration starts: taken
+    here, the fork happens in the thread that asked for the pass, while it
+    waits for that first batch anyway, not on a prefetch thread while the
+    calling thread is busy (printing the progress bar, dispatching a step).
+    """
+    with quiescent_fork():
+        items = iter(loader)
+        return items, next(items, _END)
+
+
 class Prefetcher:
     """Iterates ``loader`` on a background thread, ``depth`` batches ahead.
 
-    ``depth=0`` prepares each batch in the consuming thread instead.
+    ``depth=0`` prepares each batch in the consuming thread instead. The
+    iteration starts, and its first item is fetched, in the constructing
+    thread (`start_on_caller`).
 
     Each item goes through ``prepare`` (conversion, padding, device placement)
     on that thread, so loading and host-to-device copies overlap the step.
@@ -67,9 +109,10 @@ class Prefetcher:
             self._sync: Iterator[Any] | None = (prepare(item) for item in loader)
             return
         self._sync = None
+        items, first = start_on_caller(loader)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(
-            target=self._work, args=(loader, prepare), daemon=True, name="jl-prefetch"
+            target=self._work, args=(items, first, prepare), daemon=True, name="jl-prefetch"
         )
         self._thread.start()
 
@@ -82,9 +125,9 @@ class Prefetcher:
                 continue
         return False
 
-    def _work(self, loader: Iterable[Any], prepare: Callable[[Any], Any]) -> None:
+    def _work(self, items: Iterator[Any], first: Any, prepare: Callable[[Any], Any]) -> None:
         try:
-            for item in loader:
+            for item in itertools.chain([first], items) if first is not _END else ():
                 if not self._put(prepare(item)):
                     return
         except BaseException as exc:  # forwarded to the consumer

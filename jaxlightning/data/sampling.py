@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import multiprocessing
+import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -100,25 +101,28 @@ def ownable(loader: Any) -> bool:
     )
 
 
-def fork_safe_context(num_workers: int) -> str | None:
+def worker_start_method(num_workers: int) -> str | None:
     """The start method for DataLoader workers that the user left unset.
 
-    Forking a process in which JAX (and the Trainer's prefetch thread) run
-    threads can deadlock the child, and JAX warns at every fork; a forkserver
-    (or, where there is none, spawn) starts workers from a clean process.
+    ``"fork"`` on Linux, as Lightning and torch have it there (and Python had
+    it before 3.14 made forkserver the default): a forkserver or spawn worker
+    imports the user's main script again, with JAX, flax and torch (~20 s per
+    start here), and a script without an ``if __name__ == "__main__":`` guard
+    dies. The fork is made safe where it happens (`prefetch.start_on_caller`).
+    Elsewhere (macOS, Windows) the platform's default stands.
     """
-    if num_workers == 0:
+    if num_workers == 0 or not sys.platform.startswith("linux"):
         return None
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    return "fork" if "fork" in multiprocessing.get_all_start_methods() else None
 
 
-def make_fork_safe(loader: Any) -> None:
-    """Sets a fork-safe start method on a DataLoader with workers and none chosen
-    (one the Trainer iterates as it is, without rebuilding it)."""
+def set_worker_start(loader: Any) -> None:
+    """Sets `worker_start_method` on a DataLoader with workers and no start
+    method chosen (one the Trainer iterates as it is, without rebuilding it)."""
     if isinstance(loader, DataLoader) and loader.multiprocessing_context is None:
-        context = fork_safe_context(loader.num_workers)
-        if context is not None:
-            loader.multiprocessing_context = context
+        method = worker_start_method(loader.num_workers)
+        if method is not None:
+            loader.multiprocessing_context = method
 
 
 def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
@@ -128,7 +132,7 @@ def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
         "multiprocessing_context": (
-            loader.multiprocessing_context or fork_safe_context(loader.num_workers)
+            loader.multiprocessing_context or worker_start_method(loader.num_workers)
         ),
         "generator": loader.generator,
         "prefetch_factor": loader.prefetch_factor,
