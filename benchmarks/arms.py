@@ -355,7 +355,7 @@ def checkpoint_stall(size: dict[str, int], rounds: int) -> dict[str, Any]:
     that ran on that thread before the checksums moved to their own."""
     import shutil
 
-    from jaxlightning import checkpoint as ck
+    from jaxlightning.io import checkpoint as ck
 
     rng = np.random.default_rng(0)
     n = size["state_mib"] * 2**20 // 4 // 8

@@ -90,7 +90,7 @@ def main() -> None:
     )
     trainer.fit(common.LitMLP(), train, val)
     end = time.perf_counter()
-    from jaxlightning import compiling
+    from jaxlightning.training import compiling
 
     # The event fires for cache hits too, and for a compile the backend refused
     # at once for an option it does not know (retried without it).

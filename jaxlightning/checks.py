@@ -15,12 +15,12 @@ from typing import Any
 
 import optax
 
-from jaxlightning.loss_scale import with_loss_scale
-from jaxlightning.optimizers import ALL, Groups, by_group
-from jaxlightning.plateau import ReduceLROnPlateau, plateau_scale
-from jaxlightning.rollback import Rollback
-from jaxlightning.step import StepOptions
+from jaxlightning.callbacks.plateau import ReduceLROnPlateau, plateau_scale
+from jaxlightning.callbacks.rollback import Rollback
 from jaxlightning.strategies.shard_map import ShardMapStrategy
+from jaxlightning.training.loss_scale import with_loss_scale
+from jaxlightning.training.optimizers import ALL, Groups, by_group
+from jaxlightning.training.step import StepOptions
 
 
 def int_arg(name: str, value: Any, *, minimum: int, hint: str = "") -> int:
@@ -329,7 +329,7 @@ def nnx_model(module: Any) -> None:
     """Refuses an NNX model the Trainer would not find (held elsewhere than
     ``self.model``, without a ``setup``), and the linen signature of `loss` on a
     module that trains an NNX model."""
-    from jaxlightning.nnx_support import is_nnx
+    from jaxlightning.training.nnx import is_nnx
 
     cls = type(module)
     if module._nnx_model() is not None:

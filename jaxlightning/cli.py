@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxlightning import distributed, storage
 from jaxlightning.callbacks.base import Callback
+from jaxlightning.cluster import distributed
+from jaxlightning.io import storage
 from jaxlightning.module import JaxModule
 from jaxlightning.seed import seed_everything
 from jaxlightning.trainer import Trainer

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jaxlightning.distributed import ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jaxlightning.cluster.distributed import ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 
 def free_port() -> int:

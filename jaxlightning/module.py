@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import optax
 
-from jaxlightning.metrics import REDUCTIONS, LogOptions, MetricObject
+from jaxlightning.metrics.logged import REDUCTIONS, LogOptions
+from jaxlightning.metrics.objects import MetricObject
 
 
 def _is_numeric(value: Any) -> bool:
@@ -390,7 +391,7 @@ class JaxModule:
     # ------------------------------------------------ calling traced hooks
     def _nnx_model(self) -> Any:
         """The NNX model to train (``self.model``), when this module uses one."""
-        from jaxlightning.nnx_support import is_nnx
+        from jaxlightning.training.nnx import is_nnx
 
         model = getattr(self, "model", None)
         return model if is_nnx(model) and not type(self)._overrides("setup") else None
@@ -472,7 +473,7 @@ class JaxModule:
         ``batch_size`` are accepted for Lightning code and change nothing;
         ``rank_zero_only`` neither (only process 0 writes logs).
 
-        ``value`` may also be a metric object of `jaxlightning.metrics`
+        ``value`` may also be a metric object of `jaxlightning.metrics.logged`
         (``jl.metrics.F1Score(logits, y, num_classes=10, average="macro")``,
         ``AUROC``, ...) built from the hook's per-example values: its summed
         state is reduced exactly over every real row of the run (only with
@@ -641,7 +642,7 @@ class JaxModule:
         The step is traced once with `jax.export` on ``example_batch`` (one
         batch as `predict_step` receives it: its structure and dtypes are fixed,
         its number of rows is not, unless ``any_batch_size=False``) and stored
-        as serialized StableHLO beside the variables (`jaxlightning.export`).
+        as serialized StableHLO beside the variables (`jaxlightning.io.export`).
 
         Args:
             path: the file to write.
@@ -653,7 +654,7 @@ class JaxModule:
         Returns:
             The path written.
         """
-        from jaxlightning.export import export_predict
+        from jaxlightning.io.export import export_predict
 
         return export_predict(
             self, path, example_batch, platforms=platforms, any_batch_size=any_batch_size
@@ -672,7 +673,7 @@ class JaxModule:
             ``cls(**hparams)`` with ``variables`` set, ready for
             ``trainer.validate``, ``test`` or ``predict``.
         """
-        from jaxlightning.checkpoint import read_meta, restore_variables
+        from jaxlightning.io.checkpoint import read_meta, restore_variables
 
         hparams = dict(read_meta(path).get("hparams", {}))
         hparams.update(overrides)

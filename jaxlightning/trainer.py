@@ -20,16 +20,18 @@ from typing import Any
 
 import jax
 
-from jaxlightning import checks, compile_cache, distributed, slurm
+from jaxlightning import checks
 from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar, with_defaults
-from jaxlightning.checkpoint import read_meta
-from jaxlightning.cost import StepCost
+from jaxlightning.callbacks.plateau import PlateauStepper
+from jaxlightning.callbacks.rollback import Rollback
+from jaxlightning.cluster import distributed, slurm
 from jaxlightning.data import Pipeline
 from jaxlightning.data.arrays import as_eval_loaders, as_loader
 from jaxlightning.data.convert import loader_batch_size
 from jaxlightning.data.datamodule import fit_loaders, is_datamodule, stage_loaders
 from jaxlightning.data.datamodule import prepare as prepare_datamodule
 from jaxlightning.data.prefetch import torch_threads
+from jaxlightning.io.checkpoint import read_meta
 from jaxlightning.loggers import Logger, TensorBoardLogger
 from jaxlightning.loop import resume
 from jaxlightning.loop.eval_loop import EvalLoop, as_list, eval_hook
@@ -38,16 +40,16 @@ from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.program import NonFiniteLossError, Program
 from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.reporter import Reporter, as_loggers
-from jaxlightning.loop.rollback import RollbackGuard
+from jaxlightning.loop.rollback_guard import RollbackGuard
 from jaxlightning.loop.stop import StopPolicy
 from jaxlightning.module import JaxModule
-from jaxlightning.plateau import PlateauStepper
-from jaxlightning.precision import resolve as precision_setting
-from jaxlightning.rollback import Rollback
 from jaxlightning.schedule import Schedule, parse_max_time
 from jaxlightning.seed import default_seed
-from jaxlightning.state import TrainState
 from jaxlightning.strategies import Strategy, resolve_devices, resolve_strategy
+from jaxlightning.training import compile_cache
+from jaxlightning.training.precision import resolve as precision_setting
+from jaxlightning.training.state import TrainState
+from jaxlightning.tuner.cost import StepCost
 
 __all__ = ["NonFiniteLossError", "Trainer"]
 

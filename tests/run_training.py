@@ -64,7 +64,7 @@ def main() -> None:
 
     def fill_disk(folder, step):
         """Waits for checkpoint ``step`` to be complete, then fills its file system."""
-        from jaxlightning.checkpoint import complete_checkpoints
+        from jaxlightning.io.checkpoint import complete_checkpoints
 
         deadline = time.monotonic() + 60
         while not any(p.endswith(f"/{step}") for p in complete_checkpoints(folder)):

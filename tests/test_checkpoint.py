@@ -12,7 +12,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import jaxlightning as jl
-from jaxlightning.checkpoint import complete_checkpoints, read_meta
+from jaxlightning.io.checkpoint import complete_checkpoints, read_meta
 from tests.helpers import LitMLP, digits, loader, max_abs_diff, np_logits, quiet_trainer
 
 ROOT = Path(__file__).resolve().parents[1]

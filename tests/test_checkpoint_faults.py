@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxlightning as jl
-from jaxlightning.checkpoint import complete_checkpoints, find_last, read_meta, restore
+from jaxlightning.io.checkpoint import complete_checkpoints, find_last, read_meta, restore
 from tests.helpers import LitMLP, digits, loader, quiet_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,7 +233,7 @@ def test_bytes_that_no_longer_decode_are_reported_as_corruption_of_that_array():
     # Which chunk the flips above land in depends on the order orbax wrote the
     # arrays; in a compressed one the decoder, not the checksum, finds them
     # (this message was seen in CI).
-    from jaxlightning.checkpoint import _read_error
+    from jaxlightning.io.checkpoint import _read_error
 
     seen = (
         'FAILED_PRECONDITION: Error reading "state.opt_state.0.mu.Dense_0.kernel/0.0" in '
@@ -276,7 +276,7 @@ def test_checksums_in_the_record_or_in_their_file_are_checked_and_a_missing_file
     # arrays and their checksums leaves a checkpoint restored with a warning.
     import orbax.checkpoint as ocp
 
-    from jaxlightning.checkpoint import FORMAT_VERSION, checksums
+    from jaxlightning.io.checkpoint import FORMAT_VERSION, checksums
 
     state = {"state": {"params": {"w": np.arange(6, dtype=np.float32)}}}
     for name, recorded in (("1", checksums(state)), ("2", "checksums.json")):

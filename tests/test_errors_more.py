@@ -8,7 +8,7 @@ import torch
 from flax import nnx
 
 import jaxlightning as jl
-from jaxlightning.checkpoint import _optimizer_change
+from jaxlightning.io.checkpoint import _optimizer_change
 from jaxlightning.loggers.base import finalize_all
 from tests.helpers import MLP, LitMLP, digits, loader, quiet_trainer
 
@@ -234,7 +234,7 @@ def test_nnx_model_not_kept_as_self_model_says_where_to_keep_it():
 
 
 def test_a_process_started_by_srun_or_mpirun_counts_as_part_of_a_job(monkeypatch):
-    from jaxlightning import distributed
+    from jaxlightning.cluster import distributed
 
     for name in ("JAX_COORDINATOR_ADDRESS", "OMPI_MCA_orte_hnp_uri", "SLURM_JOB_ID"):
         monkeypatch.delenv(name, raising=False)

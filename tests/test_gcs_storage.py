@@ -16,7 +16,7 @@ import pytest
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import jaxlightning as jl  # noqa: E402
-from jaxlightning.checkpoint import (  # noqa: E402
+from jaxlightning.io.checkpoint import (  # noqa: E402
     CheckpointError,
     complete_checkpoints,
     read_meta,

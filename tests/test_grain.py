@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxlightning as jl
-from jaxlightning.checkpoint import read_meta
+from jaxlightning.io.checkpoint import read_meta
 from tests.helpers import (
     LitMLP,
     assert_bitwise_equal,

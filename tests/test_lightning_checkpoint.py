@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import jaxlightning as jl
-from jaxlightning.checkpoint import CheckpointWriter, complete_checkpoints, read_meta, restore
+from jaxlightning.io.checkpoint import CheckpointWriter, complete_checkpoints, read_meta, restore
 from tests.helpers import LitMLP, digits, loader, max_abs_diff, quiet_trainer
 
 BATCH = 8

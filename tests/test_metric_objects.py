@@ -13,7 +13,7 @@ from scipy import stats
 from sklearn import metrics as skm
 
 import jaxlightning as jl
-from jaxlightning.metrics import LogOptions, from_logged, zero
+from jaxlightning.metrics.logged import LogOptions, from_logged, zero
 from tests.helpers import quiet_trainer
 
 CLASSES, GRID = 5, 11

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxlightning as jl
-from jaxlightning.checkpoint import complete_checkpoints, read_meta, restore_variables
+from jaxlightning.io.checkpoint import complete_checkpoints, read_meta, restore_variables
 from tests import run_multihost
 from tests.helpers import (
     LitMLP,

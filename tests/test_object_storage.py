@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxlightning as jl
-from jaxlightning.checkpoint import CheckpointError, complete_checkpoints, read_meta
+from jaxlightning.io.checkpoint import CheckpointError, complete_checkpoints, read_meta
 from jaxlightning.launch import free_port
 from tests.helpers import (
     LitMLP,

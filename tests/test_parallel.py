@@ -8,8 +8,8 @@ import optax
 import pytest
 from flax.training import train_state
 
-from jaxlightning.step import device_keys
 from jaxlightning.strategies import PmapStrategy, ShardMapStrategy
+from jaxlightning.training.step import device_keys
 from tests.helpers import MLP, LitMLP, digits, init_mlp, loader, max_abs_diff, quiet_trainer
 
 LR = 1e-2

@@ -10,8 +10,8 @@ import optax
 import pytest
 
 import jaxlightning as jl
-from jaxlightning.checkpoint import read_meta
-from jaxlightning.rollback import RollbackScaleState
+from jaxlightning.callbacks.rollback import RollbackScaleState
+from jaxlightning.io.checkpoint import read_meta
 from tests.helpers import (
     LitMLP,
     assert_bitwise_equal,

@@ -97,7 +97,7 @@ def test_accumulating_4_batches_of_32_equals_batches_of_128_on_8_devices(tmp_pat
     assert max_abs_diff(accumulated, whole) < 1e-5
     assert trainer.global_step == reference.global_step == 4  # optimizer updates
     assert max_abs_diff(trainer.state.opt_state, reference.state.opt_state) < 1e-5
-    from jaxlightning.checkpoint import complete_checkpoints, read_meta
+    from jaxlightning.io.checkpoint import complete_checkpoints, read_meta
 
     meta = read_meta(complete_checkpoints(tmp_path / "checkpoints")[-1])
     assert meta["progress"] == {

@@ -98,6 +98,34 @@ def test_callbacks_do_not_import_the_trainer():
             }, name
 
 
+def _imports_into(folder: str, forbidden: tuple[str, ...]) -> list[str]:
+    graph = _graph()
+    prefix = f"jaxlightning.{folder}"
+    return [
+        f"{name} -> {dep}"
+        for name, deps in graph.items()
+        if name == prefix or name.startswith(prefix + ".")
+        for dep in deps
+        if dep.startswith(tuple(f"jaxlightning.{f}" for f in forbidden))
+    ]
+
+
+def test_what_runs_in_the_step_imports_no_loop_data_callback_or_trainer():
+    outward = ("loop", "data", "callbacks", "trainer", "loggers", "io", "tuner", "cli")
+    assert _imports_into("training", outward) == []
+    assert _imports_into("metrics", (*outward, "training")) == []
+
+
+def test_storage_and_cluster_code_import_neither_the_loop_nor_the_trainer():
+    assert _imports_into("io", ("loop", "trainer", "tuner", "cli")) == []
+    assert _imports_into("cluster", ("loop", "trainer", "tuner", "cli", "io", "data")) == []
+
+
+def test_the_top_level_holds_only_the_public_faces():
+    modules = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert len(modules) <= 14, modules
+
+
 def test_only_public_jax_apis_are_used():
     # jax._src and private attributes move between releases (the project
     # supports several): the package reaches JAX through its public modules only.

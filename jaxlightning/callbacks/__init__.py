@@ -28,7 +28,7 @@ def with_defaults(
     a `ModelCheckpoint`, a `TQDMProgressBar` (process 0 only), a `ModelSummary`
     (first), and a `JaxProfiler` for ``profiler="jax"``. Refuses a `ModelCheckpoint`
     when ``checkpointing`` is off (`check_checkpointing`)."""
-    from jaxlightning import distributed
+    from jaxlightning.cluster import distributed
 
     def has(kind: type) -> bool:
         return any(isinstance(c, kind) for c in callbacks)

@@ -9,16 +9,17 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from jaxlightning import distributed, storage
 from jaxlightning.callbacks.base import Callback
-from jaxlightning.checkpoint import (
+from jaxlightning.cluster import distributed
+from jaxlightning.io import storage
+from jaxlightning.io.checkpoint import (
     CheckpointError,
     CheckpointWriter,
     complete_checkpoints,
     move_aside,
     weights_only,
 )
-from jaxlightning.metrics import monitored
+from jaxlightning.metrics.logged import monitored
 
 if TYPE_CHECKING:
     from jaxlightning.callbacks.view import TrainerView

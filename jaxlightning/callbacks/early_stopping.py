@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from jaxlightning import distributed
 from jaxlightning.callbacks.base import Callback
-from jaxlightning.metrics import monitored
+from jaxlightning.cluster import distributed
+from jaxlightning.metrics.logged import monitored
 
 if TYPE_CHECKING:
     from jaxlightning.callbacks.view import TrainerView

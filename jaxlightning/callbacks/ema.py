@@ -8,7 +8,7 @@ import jax
 import optax
 
 from jaxlightning.callbacks.base import Callback
-from jaxlightning.loss_scale import LossScaleState
+from jaxlightning.training.loss_scale import LossScaleState
 
 if TYPE_CHECKING:
     from jaxlightning.callbacks.view import TrainerView

@@ -63,7 +63,7 @@ import optax
 from jaxlightning.callbacks.base import Callback
 from jaxlightning.callbacks.ema import EMA
 from jaxlightning.callbacks.swa import StochasticWeightAveraging, base_learning_rate
-from jaxlightning.rank_zero import rank_zero_info
+from jaxlightning.cluster.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
     from jaxlightning.callbacks.view import TrainerView

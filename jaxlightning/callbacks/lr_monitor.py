@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from jaxlightning.callbacks.base import Callback
-from jaxlightning.optimizers import walk_closures
+from jaxlightning.training.optimizers import walk_closures
 
 if TYPE_CHECKING:
     from jaxlightning.callbacks.view import TrainerView

@@ -43,13 +43,13 @@ import numpy as np
 import optax
 
 from jaxlightning.callbacks.base import Callback
-from jaxlightning.loss_scale import LossScaleState
-from jaxlightning.optimizers import walk_closures
+from jaxlightning.training.loss_scale import LossScaleState
+from jaxlightning.training.optimizers import walk_closures
 
 if TYPE_CHECKING:
     from jaxlightning.callbacks.view import TrainerView
     from jaxlightning.module import JaxModule
-    from jaxlightning.state import TrainState
+    from jaxlightning.training.state import TrainState
 
 
 class SwaState(NamedTuple):

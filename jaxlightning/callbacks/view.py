@@ -6,11 +6,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from jaxlightning.cost import StepCost
     from jaxlightning.loggers import Logger
     from jaxlightning.module import JaxModule
-    from jaxlightning.state import TrainState
     from jaxlightning.strategies import Strategy
+    from jaxlightning.training.state import TrainState
+    from jaxlightning.tuner.cost import StepCost
 
 
 class TrainerView(Protocol):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxlightning import distributed
+from jaxlightning.cluster import distributed
 
 # Base classes whose loader methods are placeholders, not the user's code.
 _PLACEHOLDER_OWNERS = ("DataModule", "LightningDataModule", "DataHooks")

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxlightning import distributed
+from jaxlightning.cluster import distributed
 from jaxlightning.data.convert import Padder, Rows, loader_batch_size
 from jaxlightning.data.prefetch import Batches, DeviceBatch, Prefetcher
 from jaxlightning.data.resident import ResidentDataset, device_budget, residable

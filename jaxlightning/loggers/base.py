@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxlightning import distributed, storage
+from jaxlightning.cluster import distributed
+from jaxlightning.io import storage
 
 _VERSION_DIR = re.compile(r"version_(\d+)")
 

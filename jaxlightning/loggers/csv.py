@@ -8,7 +8,8 @@ from typing import Any
 
 import yaml
 
-from jaxlightning import distributed, storage
+from jaxlightning.cluster import distributed
+from jaxlightning.io import storage
 from jaxlightning.loggers.base import VersionedLogger
 
 

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from jaxlightning import distributed
+from jaxlightning.cluster import distributed
 from jaxlightning.loggers.base import Logger
 
 

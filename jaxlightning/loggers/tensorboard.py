@@ -12,7 +12,8 @@ from typing import Any
 from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summary
 
-from jaxlightning import distributed, storage
+from jaxlightning.cluster import distributed
+from jaxlightning.io import storage
 from jaxlightning.loggers.base import VersionedLogger
 
 # tensorboardX names event files by the second they were opened in; a file

@@ -15,9 +15,10 @@ from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.program import Program
 from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.reporter import Report, Reporter, report
-from jaxlightning.metrics import LogOptions, Rows
+from jaxlightning.metrics.logged import LogOptions
+from jaxlightning.metrics.objects import Rows
 from jaxlightning.module import JaxModule
-from jaxlightning.step import Metrics
+from jaxlightning.training.step import Metrics
 
 _STAGE_PREFIX = {"validation": "val", "test": "test"}
 

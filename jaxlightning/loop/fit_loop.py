@@ -10,15 +10,15 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from jaxlightning import distributed, slurm
 from jaxlightning.callbacks import ModelCheckpoint
+from jaxlightning.cluster import distributed, slurm
 from jaxlightning.data import Batches, Pipeline
 from jaxlightning.loop.eval_loop import EvalLoop
 from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.program import Program
 from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.reporter import Reporter, report
-from jaxlightning.loop.rollback import RollbackGuard
+from jaxlightning.loop.rollback_guard import RollbackGuard
 from jaxlightning.loop.stop import StopPolicy
 from jaxlightning.module import JaxModule
 from jaxlightning.schedule import Schedule

@@ -23,25 +23,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxlightning.checkpoint import restore, restore_variables
-from jaxlightning.compiling import (
+from jaxlightning.callbacks.plateau import PlateauScaleState
+from jaxlightning.data import DeviceBatch
+from jaxlightning.data.convert import Rows
+from jaxlightning.io.checkpoint import restore, restore_variables
+from jaxlightning.loop.multistep import host_steps, resident_batches
+from jaxlightning.loop.progress import Progress
+from jaxlightning.module import JaxModule
+from jaxlightning.strategies import Strategy
+from jaxlightning.training.compiling import (
     Background,
     Precompiled,
     compile_with_options,
     in_background,
     join_quietly,
 )
-from jaxlightning.cost import StepCost, cost_of, step_cost
-from jaxlightning.data import DeviceBatch
-from jaxlightning.data.convert import Rows
-from jaxlightning.loop.multistep import host_steps, resident_batches
-from jaxlightning.loop.progress import Progress
-from jaxlightning.module import JaxModule
-from jaxlightning.nnx_support import NnxGraph
-from jaxlightning.plateau import PlateauScaleState
-from jaxlightning.precision import for_storage
-from jaxlightning.state import TrainState, create_train_state
-from jaxlightning.step import (
+from jaxlightning.training.nnx import NnxGraph
+from jaxlightning.training.precision import for_storage
+from jaxlightning.training.state import TrainState, create_train_state
+from jaxlightning.training.step import (
     Metrics,
     Options,
     StepOptions,
@@ -57,7 +57,7 @@ from jaxlightning.step import (
     zero_eval_metrics,
     zero_train_metrics,
 )
-from jaxlightning.strategies import Strategy
+from jaxlightning.tuner.cost import StepCost, cost_of, step_cost
 
 # For programs that run once (the initial state): XLA's optimisation level 1
 # and, on CPU, its older fusion emitters compile the random initialisers of an

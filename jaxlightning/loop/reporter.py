@@ -16,7 +16,7 @@ from typing import Any
 from jaxlightning.loggers import Logger
 from jaxlightning.loggers.base import finalize_all
 from jaxlightning.loop.progress import Progress
-from jaxlightning.metrics import LogOptions, host_value
+from jaxlightning.metrics.logged import LogOptions, host_value
 
 # Words that mark a name as already carrying its stage: `val_loss`, `val/acc`.
 _STAGE_WORDS = {"train": ("train",), "val": ("val", "valid", "validation"), "test": ("test",)}

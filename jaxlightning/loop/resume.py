@@ -11,12 +11,13 @@ from typing import Any
 
 import jax
 
-from jaxlightning import distributed, storage
 from jaxlightning.callbacks import ModelCheckpoint
-from jaxlightning.checkpoint import find_last, json_safe, read_meta, restore_variables
+from jaxlightning.cluster import distributed
 from jaxlightning.data import regrain
 from jaxlightning.data.convert import dataset_length, loader_batch_size
 from jaxlightning.data.stateful import decode, encode, grain_data_loader, iterates_statefully
+from jaxlightning.io import storage
+from jaxlightning.io.checkpoint import find_last, json_safe, read_meta, restore_variables
 from jaxlightning.loggers import Logger
 from jaxlightning.loggers.base import VersionedLogger
 from jaxlightning.loop.hooks import Hooks

@@ -4,7 +4,7 @@ Limits (``max_steps``, ``max_epochs``), ``max_time``, ``trainer.should_stop``
 (held back by ``min_epochs``/``min_steps``) and SIGTERM/SIGINT. In a
 multi-process run every process must stop at the same step, so host-side
 conditions (a clock, SIGINT on one process) are agreed through
-`jaxlightning.distributed` at logging intervals; SIGTERM (a preemption notice)
+`jaxlightning.cluster.distributed` at logging intervals; SIGTERM (a preemption notice)
 through JAX's preemption service at the next step.
 """
 
@@ -15,10 +15,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from jaxlightning import distributed, slurm
+from jaxlightning.cluster import distributed, slurm
+from jaxlightning.cluster.rank_zero import rank_zero_info
 from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.signals import StopRequest
-from jaxlightning.rank_zero import rank_zero_info
 from jaxlightning.schedule import Schedule
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from jaxlightning.step import AXIS
+from jaxlightning.training.step import AXIS
 
 
 class Strategy(abc.ABC):
@@ -16,7 +16,7 @@ class Strategy(abc.ABC):
 
     A per-device function sees one device's shard of each batch and replicated
     copies of everything else; inside it, collectives use the axis name
-    `jaxlightning.step.AXIS`. Implementations differ only in how they express this
+    `jaxlightning.training.step.AXIS`. Implementations differ only in how they express this
     SPMD program; they must give the same numbers.
 
     Contract, in the order the Trainer calls it:

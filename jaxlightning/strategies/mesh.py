@@ -31,9 +31,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlightning.precision import compute_dtype_now
-from jaxlightning.step import AXIS, gradient_view
 from jaxlightning.strategies.shard_map import ShardMapStrategy, per_device, spec
+from jaxlightning.training.precision import compute_dtype_now
+from jaxlightning.training.step import AXIS, gradient_view
 
 MODEL_AXIS = "model"
 _SHARDED_PARTS = ("params", "opt_state", "grad_sum")

@@ -10,8 +10,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlightning.compiling import Precompiled
 from jaxlightning.strategies.base import Strategy
+from jaxlightning.training.compiling import Precompiled
 
 
 def spec(sharded: bool, axis: str) -> P:

@@ -11,7 +11,7 @@ starts with ``SLURM_RESTART_COUNT`` > 0, and its ``fit`` without a
 this off.
 
 Which process is which, and the coordinator, come from SLURM's own variables
-through ``jax.distributed``'s cluster detection (`jaxlightning.distributed`).
+through ``jax.distributed``'s cluster detection (`jaxlightning.cluster.distributed`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Lightning's batch-size finder runs steps at growing sizes until CUDA runs out
 of memory. Here each candidate's train step is only compiled, and XLA's
-memory analysis of it (`jaxlightning.cost`) says whether it fits: nothing runs,
+memory analysis of it (`jaxlightning.tuner.cost`) says whether it fits: nothing runs,
 nothing runs out of memory, and the trainer's state is left as it was.
 """
 
@@ -15,8 +15,8 @@ import jax
 from jaxlightning import checks
 from jaxlightning.data.arrays import as_loader
 from jaxlightning.data.datamodule import fit_loaders, is_datamodule
-from jaxlightning.lr_finder import LRFinder, lr_find
 from jaxlightning.module import JaxModule
+from jaxlightning.tuner.lr_finder import LRFinder, lr_find
 
 
 class Tuner:
@@ -121,7 +121,7 @@ class Tuner:
                 ``"linear"``), ``early_stop_threshold`` (4.0: stop once the
                 smoothed loss exceeds 4 times its best; ``None``: never),
                 ``update_attr`` (True), ``attr_name`` (``""``), as
-                `jaxlightning.lr_finder.lr_find` takes them.
+                `jaxlightning.tuner.lr_finder.lr_find` takes them.
 
         Returns:
             An `LRFinder`: ``results`` (rates and smoothed losses),

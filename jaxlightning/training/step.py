@@ -10,7 +10,7 @@ and no reference to the Trainer: the functions close over the module and
 optimizer only. Gradient clipping is not here: it is a transformation in front
 of the optimizer (`StepOptions.with_clipping`), so every strategy applies it alike.
 
-Logged values are `clu.metrics` states keyed by name (see `jaxlightning.metrics`);
+Logged values are `clu.metrics` states keyed by name (see `jaxlightning.metrics.logged`);
 a step merges its batch's states into the accumulator it is given, so
 reductions over many steps stay exact and are fetched to the host only when
 reported.
@@ -29,9 +29,7 @@ import numpy as np
 import optax
 from clu import metrics as clu_metrics
 
-from jaxlightning.loss_scale import LossScaleState, next_scale
-from jaxlightning.losses import loss_terms, pmean_floats
-from jaxlightning.metrics import (
+from jaxlightning.metrics.logged import (
     Average,
     Extreme,
     LogOptions,
@@ -43,9 +41,11 @@ from jaxlightning.metrics import (
     zero,
 )
 from jaxlightning.module import JaxModule
-from jaxlightning.optimizers import Groups, Optimizers
-from jaxlightning.precision import computing, for_compute
-from jaxlightning.state import AccumulatingState, TrainState, keep_if
+from jaxlightning.training.loss_scale import LossScaleState, next_scale
+from jaxlightning.training.losses import loss_terms, pmean_floats
+from jaxlightning.training.optimizers import Groups, Optimizers
+from jaxlightning.training.precision import computing, for_compute
+from jaxlightning.training.state import AccumulatingState, TrainState, keep_if
 
 AXIS = "batch"
 """The device axis the step functions run over (exported as ``jl.AXIS``): name it in
@@ -66,13 +66,13 @@ class StepOptions:
             clipping, as ``train/grad_norm``.
         accumulate_grad_batches: micro-batches per optimizer update; the state
             is then an `AccumulatingState` that sums their gradients.
-        precision: see `jaxlightning.precision`.
+        precision: see `jaxlightning.training.precision`.
         on_nonfinite: ``"raise"`` (apply every update; the loop raises at the
             next report when a loss was not finite), ``"skip"`` (an update
             whose loss or gradient is not finite leaves the state as it was) or
             ``"rollback"`` (apply every update and log each interval's largest
             step loss, ``loss_max``: the loop goes back to its last good state
-            when a check finds a bad one; see `jaxlightning.rollback`).
+            when a check finds a bad one; see `jaxlightning.callbacks.rollback`).
     """
 
     gradient_clip_val: float | None = None

@@ -1,18 +1,18 @@
 """The fit loop's part of ``on_nonfinite="rollback"``: the last good state,
 the checks against it, and going back to it (the policy is
-`jaxlightning.rollback.Rollback`)."""
+`jaxlightning.callbacks.rollback.Rollback`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from jaxlightning import distributed
+from jaxlightning.callbacks.rollback import Rollback, RollbackScaleState
+from jaxlightning.cluster import distributed
 from jaxlightning.loop.program import NonFiniteLossError, Program
 from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.reporter import Report, Reporter
-from jaxlightning.metrics import host_value
-from jaxlightning.rollback import Rollback, RollbackScaleState
-from jaxlightning.step import LOSS_MAX
+from jaxlightning.metrics.logged import host_value
+from jaxlightning.training.step import LOSS_MAX
 
 ROLLBACKS = "train/rollbacks"
 

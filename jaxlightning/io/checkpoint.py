@@ -37,7 +37,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxlightning import storage
+from jaxlightning.io import storage
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"\d+")

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlightning.losses import loss_terms, pmean_floats
-from jaxlightning.precision import for_compute
-from jaxlightning.state import TrainState, optimizer_update
+from jaxlightning.training.losses import loss_terms, pmean_floats
+from jaxlightning.training.precision import for_compute
+from jaxlightning.training.state import TrainState, optimizer_update
 
 ALL = "*"  # the one group of a single transformation in manual optimization
 

@@ -5,7 +5,7 @@ parameters and optimizer state; the forward and backward passes see bfloat16
 copies of the parameters and of the batch's floating inputs, while the loss,
 the gradient that reaches the optimizer and every logged value stay float32.
 ``"16-mixed"``: as ``"bf16-mixed"`` in float16, with dynamic loss scaling
-(`jaxlightning.loss_scale`): an update whose scaled gradient overflows is
+(`jaxlightning.training.loss_scale`): an update whose scaled gradient overflows is
 skipped and the scale halved.
 ``"bf16-true"``: parameters, optimizer state and inputs in bfloat16.
 ``"64-true"``: float64, which JAX allows only with ``JAX_ENABLE_X64=1``.

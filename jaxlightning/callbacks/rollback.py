@@ -13,7 +13,7 @@ the loop makes there anyway; no step pays for it.
 
 This module holds the host-side policy: the spike rule, the bound on retries,
 the events, and the transformation that lowers the rate. The loop's part is
-`jaxlightning.loop.rollback.RollbackGuard`.
+`jaxlightning.loop.rollback_guard.RollbackGuard`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from jaxlightning.callbacks.base import Callback
-from jaxlightning.plateau import plateau_scale
+from jaxlightning.callbacks.plateau import plateau_scale
 
 
 class RollbackScaleState(NamedTuple):

@@ -3,7 +3,7 @@
 A value logged in a traced hook becomes a `clu.metrics` state over the real
 (unmasked) rows of one device's shard: `Average` for ``reduce_fx="mean"``,
 `Total` for ``"sum"``, `Extreme` for ``"max"``/``"min"``; a metric object
-(`F1Score`, `AUROC`, ... from `jaxlightning.metric_objects`, re-exported here)
+(`F1Score`, `AUROC`, ... from `jaxlightning.metrics.objects`, re-exported here)
 gives its own state of sums. States merge across steps on device and reduce
 across devices inside the step (``psum``; ``pmax`` or ``pmin`` only for
 extremes), so the host fetches exact values only when it reports them. How the
@@ -22,21 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from clu import metrics as clu_metrics
 
-from jaxlightning.metric_objects import AUROC as AUROC
-from jaxlightning.metric_objects import Accuracy as Accuracy
-from jaxlightning.metric_objects import AveragePrecision as AveragePrecision
-from jaxlightning.metric_objects import ConfusionMatrix as ConfusionMatrix
-from jaxlightning.metric_objects import F1Score as F1Score
-from jaxlightning.metric_objects import MatthewsCorrCoef as MatthewsCorrCoef
-from jaxlightning.metric_objects import MeanAbsoluteError as MeanAbsoluteError
-from jaxlightning.metric_objects import MeanSquaredError as MeanSquaredError
-from jaxlightning.metric_objects import MetricObject as MetricObject
-from jaxlightning.metric_objects import MetricSpec as MetricSpec
-from jaxlightning.metric_objects import PearsonCorrCoef as PearsonCorrCoef
-from jaxlightning.metric_objects import Precision as Precision
-from jaxlightning.metric_objects import Recall as Recall
-from jaxlightning.metric_objects import Rows as Rows
-from jaxlightning.metric_objects import SpearmanCorrCoef as SpearmanCorrCoef
+from jaxlightning.metrics.objects import (
+    MetricObject,
+    MetricSpec,
+    Rows,
+)
 
 REDUCTIONS = ("mean", "sum", "max", "min")
 
