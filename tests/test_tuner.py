@@ -67,6 +67,30 @@ def test_a_datamodule_gets_the_size_and_configure_optimizers_sees_the_trainer():
     assert found == 32 == datamodule.batch_size  # 8, 16, 32: the trials ran out
 
 
+class _Digits(jl.DataModule):
+    def __init__(self, batch_size=8):
+        super().__init__()
+        self.hparams = jl.AttributeDict(batch_size=batch_size)
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return loader(*digits(64), self.batch_size)
+
+
+def test_every_holder_of_the_batch_size_gets_the_new_size():
+    """As Lightning's lightning_setattr: the module's attribute and hparams,
+    the datamodule's attribute and hparams."""
+    module = LitMLP(hidden=64)
+    module.hparams["batch_size"] = module.batch_size = 8
+    datamodule = _Digits(batch_size=8)
+    found = jl.Tuner(quiet_trainer(devices=2, max_steps=1)).scale_batch_size(
+        module, datamodule=datamodule, init_val=8, max_trials=2, max_bytes=2**40
+    )
+    assert found == 16  # 8, 16: the trials ran out
+    assert module.batch_size == module.hparams["batch_size"] == 16
+    assert datamodule.batch_size == datamodule.hparams["batch_size"] == 16
+
+
 class _LinearRegression(jl.JaxModule):
     """y = x·w, squared error per example, plain SGD at ``hparams.lr``."""
 

@@ -192,17 +192,14 @@ def _device_limit(devices: list[jax.Device]) -> int:
 
 
 def _set_batch_size(model: Any, datamodule: Any, name: str, value: int) -> None:
-    """Sets ``name`` where Lightning looks for it: the model's attribute or
-    hyperparameter, then the datamodule's."""
+    """Sets ``name`` on every holder Lightning's ``lightning_setattr`` sets: the
+    model's attribute and hyperparameter, the datamodule's attribute and
+    hyperparameter (each that has it)."""
     for owner in (model, datamodule):
         if owner is None:
             continue
+        if hasattr(owner, name):
+            setattr(owner, name, value)
         hparams = getattr(owner, "hparams", None)
         if hparams is not None and name in hparams:
             hparams[name] = value
-            if hasattr(owner, name):
-                setattr(owner, name, value)
-            return
-        if hasattr(owner, name):
-            setattr(owner, name, value)
-            return
