@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the full suite only (pytest --full)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

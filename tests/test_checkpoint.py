@@ -63,6 +63,7 @@ def reference(tmp_path_factory):
     return arrays(root / "final.npz"), scalars(root / "lightning_logs" / "version_0")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("stop_at", "every", "progress"),
     [(14, None, (2, 0)), (10, None, (1, 3)), (7, 7, (0, 7)), (8, 8, (1, 1))],
@@ -97,6 +98,7 @@ def test_resume_in_new_process_is_bit_exact(tmp_path, reference, stop_at, every,
         assert {s: got[tag][s] for s in later} == later, tag
 
 
+@pytest.mark.slow
 def test_sigterm_mid_epoch_saves_and_resume_completes_the_run(tmp_path, reference):
     proc = train(tmp_path, 22, "--slow-after", 9, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     seen = []
@@ -117,6 +119,7 @@ def test_sigterm_mid_epoch_saves_and_resume_completes_the_run(tmp_path, referenc
     assert_bitwise_equal(arrays(tmp_path / "final.npz"), reference[0])
 
 
+@pytest.mark.slow
 def test_slurm_signal_saves_requeues_and_the_restarted_job_resumes(tmp_path, reference):
     """Under a SLURM batch job (faked: its variables, and a stand-in scontrol on
     the PATH that records its arguments) SIGUSR1 saves, requeues the job and
@@ -151,6 +154,7 @@ def test_slurm_signal_saves_requeues_and_the_restarted_job_resumes(tmp_path, ref
     assert_bitwise_equal(arrays(tmp_path / "final.npz"), reference[0])
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_leaves_previous_checkpoint_restorable(tmp_path, reference):
     result = train(
         tmp_path, 22, "--every-n-train-steps", 5, "--kill-during-save-at", 12, check=False

@@ -46,6 +46,7 @@ def _in_mount_namespace(setup: str, run: str, after: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare -m for real mounts")
 def test_full_disk_and_read_only_folder_fail_clearly_and_keep_the_last_good_checkpoint(tmp_path):
     full, kept = tmp_path / "full", tmp_path / "kept"
@@ -103,6 +104,7 @@ print("WARNED", *(str(w.message) for w in caught), sep="\\n")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare -m for real mounts")
 def test_tensorboard_on_a_full_disk_warns_once_and_never_blocks(tmp_path):
     # tensorboardX's writer thread once died on ENOSPC and the next events

@@ -62,6 +62,7 @@ def test_fit_with_flags_sets_trainer_model_and_data(digits, tmp_path):
     assert 0 < cli.accuracy <= 1  # after_fit ran
 
 
+@pytest.mark.slow
 def test_a_yaml_config_and_print_config_round_trip_into_the_same_run(digits, tmp_path, capsys):
     flags = short(tmp_path / "flags", "--model.lr", "0.003", "--trainer.seed", "7")
     with pytest.raises(SystemExit) as exit_:

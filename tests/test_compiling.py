@@ -32,6 +32,7 @@ def test_background_errors_reach_the_caller():
     assert in_background(lambda: jnp.ones(2).sum()).result(timeout=10) == 2
 
 
+@pytest.mark.slow
 def test_a_batch_larger_than_the_first_still_trains_exactly():
     import optax
 

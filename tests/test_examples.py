@@ -29,6 +29,7 @@ def test_autoencoder_beats_the_mean_image(tmp_path, capsys):
     assert codes.shape == (360, 3)  # one 3-number code per validation image
 
 
+@pytest.mark.slow
 def test_gan_generates_the_target_distribution(tmp_path):
     gan = load("gan")
     cli = gan.main(quiet(tmp_path, "--trainer.max_epochs=15"))
@@ -82,6 +83,7 @@ def test_finetuning_freezes_the_backbone_then_trains_it(tmp_path):
     assert cli.accuracy > 0.85
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "tensor_parallel"])
 def test_gpt_learns_the_chain_under_sharded_strategies(tmp_path, strategy):
     gpt = load("gpt")

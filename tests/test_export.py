@@ -14,6 +14,7 @@ import jaxlightning as jl
 from tests.helpers import LitMLP, digits, loader, quiet_trainer
 
 
+@pytest.mark.slow
 def test_an_export_runs_in_a_fresh_process_without_the_module_as_predict(tmp_path):
     x, y = digits(90)
     module = LitMLP()

@@ -40,6 +40,7 @@ FAULTS = {
 }
 
 
+@pytest.mark.slow
 def test_failing_and_finished_fits_end_cleanly_in_their_own_process(tmp_path):
     # Each case once aborted the process (exit 134, "terminate called after
     # throwing an instance of ''") from a compile thread left running.

@@ -32,6 +32,8 @@ from tests.helpers import (
     trained_params,
 )
 
+pytestmark = pytest.mark.slow  # the full suite only (pytest --full)
+
 pytest.importorskip("gcsfs")
 emulator = pytest.importorskip("gcp_storage_emulator.server")
 gcs = pytest.importorskip("google.cloud.storage")

@@ -86,6 +86,7 @@ print(json.dumps(trainer.train_step_cost().peak_bytes))
 """
 
 
+@pytest.mark.slow
 def test_train_step_peak_agrees_with_xlas_buffer_assignment_report(tmp_path):
     """The figure XLA writes in the train step's memory-usage report (its
     buffer assignment, the issue's reference) and `train_step_cost()`'s peak

@@ -25,6 +25,8 @@ from tests.helpers import (
     np_logits,
 )
 
+pytestmark = pytest.mark.slow  # the full suite only (pytest --full)
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "run_multihost.py")
 

@@ -145,6 +145,7 @@ class LitSharded(LitNNX):
             self.model = ShardedNet(nnx.Rngs(0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["tp", "fsdp"])
 def test_nnx_models_under_sharded_strategies_equal_data_parallel(strategy):
     x, y = digits(300)

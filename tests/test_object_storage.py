@@ -25,6 +25,8 @@ from tests.helpers import (
     trained_params,
 )
 
+pytestmark = pytest.mark.slow  # the full suite only (pytest --full)
+
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")

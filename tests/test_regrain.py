@@ -73,6 +73,7 @@ def rest(loader, state=None, skip=0):
     return batches if state is not None else batches[skip:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "before, steps, after",
     [((2, 8, 0), 3, (1, 16, 0)), ((1, 16, 0), 3, (2, 8, 0)), ((2, 8, 0), 3, (4, 4, 0)),
@@ -125,6 +126,7 @@ def test_positions_no_batch_of_this_run_starts_at_are_refused(now, size, match):
         regrain.state_at(regrain.consumed(states), regrain.layout(make(0, now, size)), states[0])
 
 
+@pytest.mark.slow
 def test_workers_between_turns_are_refused():
     _, states = run(1, 4, 3, workers=2)  # worker 0 made 2 batches, worker 1 one (read right)
     with pytest.raises(ValueError, match=r"workers had handed out \[8, 4\] records"):

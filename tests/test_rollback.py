@@ -177,6 +177,7 @@ def test_the_spike_rule_and_bad_settings():
             jl.Rollback(**bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "setting, kept",
     [

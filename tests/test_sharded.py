@@ -139,6 +139,7 @@ def test_fsdp_shard_dim_override_and_accumulation_equal_data_parallel():
     assert max_abs_diff(host(sharded.state.params), host(plain.state.params)) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "tensor_parallel"])
 def test_manual_optimization_gan_under_sharded_strategies_equals_data_parallel(strategy):
     from tests.test_gan import LitGAN, gan_loader
@@ -170,6 +171,7 @@ def _gpt(dropout, scan=False):
     return gpt.LitGPT(d_model=32, heads=4, layers=2, context=16, dropout=dropout, scan=scan)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("devices", "dropout"),
     [(8, 0.0), (4, 0.1)],  # with dropout: the same 4 data shards, hence the same keys
@@ -187,6 +189,7 @@ def test_tensor_parallel_gpt_equals_data_parallel(devices, dropout):
     assert {s.data.shape for s in down.addressable_shards} == {(64, 32)}
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_each_scanned_layer_where_it_runs():
     """The GPT example's blocks in one nn.scan, each gathering its own
     parameters (jl.fsdp_gathered): FSDP equals data parallel, the compiled
@@ -290,6 +293,7 @@ def _fit_gpt_ckpt(strategy, devices, root, ckpt_path=None, every=4):
     return trainer
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_pmap_and_fsdp_x_tensor_parallel(tmp_path):
     """The scanned GPT's kernels rest whole on every device under pmap and split
     over both mesh axes under FSDP x TP (4 data shards either way: the same

@@ -60,6 +60,7 @@ def _same_params(a, b):
     return all(np.array_equal(np.asarray(u), np.asarray(v)) for u, v in pairs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "k, data_on_device, kwargs",
     [

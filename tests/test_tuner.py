@@ -18,6 +18,7 @@ def _peak(trainer, module, train, rows):
     return trainer._program.cost_at(module, tx, example, rows).peak_bytes
 
 
+@pytest.mark.slow
 def test_power_and_binsearch_find_the_fitting_boundary_and_set_the_batch_size():
     trainer = quiet_trainer(devices=2, max_steps=1)
     module = LitMLP(hidden=64)
@@ -55,6 +56,7 @@ def test_what_cannot_be_tuned_is_named():
         jl.Tuner(pmap).scale_batch_size(LitMLP(), train, max_bytes=10**9)
 
 
+@pytest.mark.slow
 def test_a_datamodule_gets_the_size_and_configure_optimizers_sees_the_trainer():
     """The GPT example under FSDP: its configure_optimizers sizes a schedule by
     trainer.estimated_stepping_batches, its DataModule holds batch_size."""
