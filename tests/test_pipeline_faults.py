@@ -25,11 +25,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 def record_worker_start(path: str, worker_id: int) -> None:
     """With the path bound by `functools.partial`, a `worker_init_fn` that appends
-    one line per worker start. (The path travels with the pickled function: an
+    one line per worker start: its pid, id and the objects its garbage
+    collector holds frozen. (The path travels with the pickled function: an
     environment variable would not reach the children of a forkserver started
     earlier, which inherit the server's environment.)"""
+    import gc
+
     with open(path, "a") as f:
-        f.write(f"{os.getpid()} {worker_id}\n")
+        f.write(f"{os.getpid()} {worker_id} {gc.get_freeze_count()}\n")
 
 
 def _digits_loader(batch_size: int, **kwargs) -> DataLoader:
@@ -94,6 +97,8 @@ def test_persistent_workers_are_started_once_per_fit(tmp_path):
 
     lines = starts.read_text().splitlines() if starts.exists() else []
     assert len(lines) == 2, f"expected 2 worker starts over 3 epochs, got {len(lines)}: {lines}"
+    # forked: each worker froze what it inherited, so it never finalizes a JAX object
+    assert all(int(line.split()[2]) > 1000 for line in lines), lines
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import os
 import queue
 import threading
 import warnings
@@ -53,6 +54,9 @@ class DeviceBatch:
 _END = object()
 
 
+_child_gc_frozen = False
+
+
 @contextlib.contextmanager
 def quiescent_fork() -> Iterator[None]:
     """Makes the forks started in the block (DataLoader workers) safe from JAX.
@@ -62,18 +66,19 @@ def quiescent_fork() -> Iterator[None]:
     only runs Python and torch (the dataset, the collate function, the queue
     to the parent), so it meets such a lock only by finalizing a JAX object it
     inherited: a garbage collection in the child that frees a device array
-    calls into XLA. Freezing the collector's generations across the fork puts
-    every object that exists now out of the child's collections (the parent
-    unfreezes them after), and JAX's warning, which says that fork "will
-    likely lead to a deadlock", is not shown for a fork made this way.
+    calls into XLA. Every forked child of this process therefore freezes the
+    collector's generations first thing (``gc.freeze``: what it inherited is
+    never collected there; the parent's collector is untouched), and JAX's
+    warning, which says that fork "will likely lead to a deadlock", is not
+    shown for a fork made here.
     """
-    gc.freeze()
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
-            yield
-    finally:
-        gc.unfreeze()
+    global _child_gc_frozen
+    if not _child_gc_frozen and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=gc.freeze)
+        _child_gc_frozen = True
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+        yield
 
 
 def start_on_caller(loader: Iterable[Any]) -> tuple[Iterator[Any], Any]:
