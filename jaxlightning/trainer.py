@@ -11,7 +11,6 @@ to the bar, loggers and ``callback_metrics``), the `StopPolicy`, `Progress`
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import os
 import warnings
@@ -21,37 +20,32 @@ from typing import Any
 import jax
 
 from jaxlightning import checks
-from jaxlightning.callbacks import Callback, ModelCheckpoint, TQDMProgressBar, with_defaults
+from jaxlightning.callbacks import Callback
 from jaxlightning.callbacks.plateau import PlateauStepper
 from jaxlightning.callbacks.rollback import Rollback
-from jaxlightning.cluster import distributed, slurm
-from jaxlightning.data import Pipeline
+from jaxlightning.cluster import slurm
 from jaxlightning.data.arrays import as_eval_loaders, as_loader
 from jaxlightning.data.convert import loader_batch_size
 from jaxlightning.data.datamodule import fit_loaders, is_datamodule, stage_loaders
 from jaxlightning.data.datamodule import prepare as prepare_datamodule
 from jaxlightning.data.prefetch import torch_threads
 from jaxlightning.io.checkpoint import read_meta
-from jaxlightning.loggers import Logger, TensorBoardLogger
+from jaxlightning.loggers import Logger
 from jaxlightning.loop import resume
-from jaxlightning.loop.eval_loop import EvalLoop, as_list, eval_hook
-from jaxlightning.loop.fit_loop import FitLoop
-from jaxlightning.loop.hooks import Hooks
-from jaxlightning.loop.program import NonFiniteLossError, Program
-from jaxlightning.loop.progress import Progress
-from jaxlightning.loop.reporter import Reporter, as_loggers
-from jaxlightning.loop.rollback_guard import RollbackGuard
-from jaxlightning.loop.stop import StopPolicy
+from jaxlightning.loop.eval_loop import eval_hook
+from jaxlightning.loop.program import NonFiniteLossError
+from jaxlightning.loop.wiring import wire
 from jaxlightning.module import JaxModule
-from jaxlightning.schedule import Schedule, parse_max_time
-from jaxlightning.seed import default_seed
-from jaxlightning.strategies import Strategy, resolve_devices, resolve_strategy
-from jaxlightning.training import compile_cache
-from jaxlightning.training.precision import resolve as precision_setting
+from jaxlightning.strategies import Strategy
 from jaxlightning.training.state import TrainState
 from jaxlightning.tuner.cost import StepCost
 
 __all__ = ["NonFiniteLossError", "Trainer"]
+
+
+def _arguments(local: dict[str, Any]) -> dict[str, Any]:
+    """The constructor's arguments, from its ``locals()``."""
+    return {k: v for k, v in local.items() if k not in ("self", "__class__")}
 
 
 def _read(component: str, name: str, doc: str) -> Any:
@@ -234,95 +228,19 @@ class Trainer:
         enable_model_summary: bool = True,
         profiler: str | None = None,
     ) -> None:
-        self.fast_dev_run = checks.fast_dev_run(fast_dev_run)
-        # Lightning warns at fit when it picks the 1000-epoch default for you
-        self._default_epochs = max_epochs is None and max_steps == -1 and not self.fast_dev_run
-        max_epochs, max_steps = checks.epoch_limit(max_epochs, max_steps)
-        if check_val_every_n_epoch is not None:
-            checks.int_arg("check_val_every_n_epoch", check_val_every_n_epoch, minimum=1)
-        self.schedule = Schedule.from_trainer_args(
-            limits={
-                "limit_train_batches": limit_train_batches,
-                "limit_val_batches": limit_val_batches,
-                "limit_test_batches": limit_test_batches,
-                "limit_predict_batches": limit_predict_batches,
-            },
-            overfit_batches=overfit_batches,
-            fast_dev_run=self.fast_dev_run,
-            val_check_interval=val_check_interval,
-            max_epochs=max_epochs,
-            max_steps=max_steps,
-            min_epochs=checks.int_arg("min_epochs", min_epochs or 0, minimum=0),
-            min_steps=checks.int_arg("min_steps", min_steps or 0, minimum=0),
-            max_time=parse_max_time(max_time),
-            check_val_every_n_epoch=check_val_every_n_epoch,
-        )
-        sanity = checks.sanity_steps(num_sanity_val_steps)
-        if self.fast_dev_run:  # a few batches of everything; nothing kept
-            sanity, logger, enable_checkpointing = 0, False, False
-            callbacks = [c for c in as_list(callbacks) if not isinstance(c, ModelCheckpoint)]
-        seed = checks.int_arg("seed", default_seed() if seed is None else seed, minimum=0)
-        options = checks.step_options(
-            gradient_clip_val,
-            gradient_clip_algorithm,
-            log_grad_norm,
-            accumulate_grad_batches,
-            on_nonfinite,
-        )
-        options = dataclasses.replace(options, precision=precision_setting(precision))
-        self.default_root_dir = os.fspath(default_root_dir or os.getcwd())
-        distributed.initialize(num_nodes)  # before anything touches the devices
-        if compilation_cache_dir is not None:
-            compile_cache.enable(compilation_cache_dir)
-        self.strategy = resolve_strategy(strategy)
-        self.strategy.setup(resolve_devices(devices, accelerator))
-        steps_per_execution = checks.steps_per_execution(steps_per_execution, self.strategy)
-        if logger is True:
-            logger = TensorBoardLogger(self.default_root_dir)
-        rollback = on_nonfinite if isinstance(on_nonfinite, Rollback) else None
-        if on_nonfinite == "rollback":
-            rollback = Rollback()
-        self.callbacks: list[Callback] = with_defaults(
-            as_list(callbacks) + ([rollback] if rollback is not None else []),
-            checkpointing=enable_checkpointing,
-            progress_bar=enable_progress_bar,
-            summary=enable_model_summary,
-            profiler=profiler,
-        )
+        parts = wire(self, self._resolve_ckpt_path, **_arguments(locals()))
+        self.fast_dev_run, self.schedule = parts.fast_dev_run, parts.schedule
+        self.default_root_dir, self.strategy = parts.default_root_dir, parts.strategy
+        self.callbacks: list[Callback] = parts.callbacks
+        self._default_epochs = parts.default_epochs  # fit warns, as Lightning
         self.datamodule: Any = None
         self.stage: str | None = None  # "fit", "validate", "test" or "predict" while running
         self._epoch_batches: tuple[int | None] | None = None  # fit's, once known
         self._train_loader: Any = None  # fit's training data, while it runs
         self._lightning_module: JaxModule | None = None  # the module fit last
-
-        # The components, each given what it may touch.
-        self._progress = progress = Progress(accumulate=options.accumulate_grad_batches)
-        self._reporter = reporter = Reporter(as_loggers(logger), progress)
-        self._stop = StopPolicy(self.schedule, progress)
-        self._hooks = hooks = Hooks(self.callbacks, self)
-        self._pipeline = pipeline = Pipeline(
-            self.strategy,
-            self.schedule,
-            seed=seed,
-            own_order=use_distributed_sampler,
-            shuffle_train=False if overfit_batches else None,
-            data_on_device=data_on_device,
-        )
-        self._program = program = Program(
-            self.strategy, options, seed=seed, progress=progress,
-            stop_on_nonfinite_loss=stop_on_nonfinite_loss and rollback is None,
-            steps_per_execution=steps_per_execution,
-        )  # fmt: skip
-        self._evaluation = EvalLoop(
-            pipeline, program, hooks, reporter, progress, self._resolve_ckpt_path
-        )
-        self._fit_loop = FitLoop(
-            pipeline=pipeline, program=program, evaluation=self._evaluation, hooks=hooks,
-            reporter=reporter, stop=self._stop, progress=progress, schedule=self.schedule,
-            log_every_n_steps=checks.int_arg("log_every_n_steps", log_every_n_steps, minimum=1),
-            num_sanity_val_steps=sanity,
-            guard=rollback and RollbackGuard(rollback, program, progress, reporter),
-        )  # fmt: skip
+        self._progress, self._reporter, self._stop = parts.progress, parts.reporter, parts.stop
+        self._hooks, self._pipeline, self._program = parts.hooks, parts.pipeline, parts.program
+        self._evaluation, self._fit_loop = parts.evaluation, parts.fit_loop
 
     # ------------------------------------------------------------ properties
     global_step = _read("_progress", "global_step", "Optimizer updates so far.")
@@ -339,6 +257,13 @@ class Trainer:
     progress_bar_metrics = _read("_reporter", "progress_bar_metrics", "The bar's values.")
     loggers = _read("_reporter", "loggers", "Every logger.")
     log_dir = _read("_reporter", "log_dir", "The first logger's run directory.")
+    logger = _read("_reporter", "logger", "The first logger (``None``: none).")
+    checkpoint_callback = _read("_hooks", "checkpoint_callback", "The first `ModelCheckpoint`.")
+    checkpoint_callbacks = _read("_hooks", "checkpoint_callbacks", "Every `ModelCheckpoint`.")
+    progress_bar_callback = _read("_hooks", "progress_bar_callback", "The progress bar, if on.")
+    data_path = _read(
+        "_pipeline", "data_path", 'The last fit\'s batches: "device", "host" (None: none yet).'
+    )
     seed = _read("_program", "seed", "The run's seed.")
     log_every_n_steps = _read("_fit_loop", "log_every_n_steps", "The logging interval.")
     max_epochs = _read("schedule", "max_epochs", "The epoch limit (``None``: none).")
@@ -353,13 +278,6 @@ class Trainer:
         return float("inf") if n < 0 else n
 
     num_devices = _read("strategy", "num_devices", "Devices over all processes.")
-
-    @property
-    def data_path(self) -> str | None:
-        """Where the training batches of the last fit came from: ``"device"``
-        (a dataset resident on the devices, see ``data_on_device``) or
-        ``"host"``; ``None`` before any training."""
-        return self._pipeline.data_path
 
     @property
     def should_stop(self) -> bool:
@@ -378,30 +296,10 @@ class Trainer:
         return self._program.state_copy()
 
     @property
-    def logger(self) -> Logger | None:
-        """The first logger (``None`` without one); `loggers` has them all."""
-        return self.loggers[0] if self.loggers else None
-
-    @property
-    def checkpoint_callback(self) -> ModelCheckpoint | None:
-        """The first `ModelCheckpoint` among the callbacks."""
-        return resume.checkpoint_callback(self._hooks)
-
-    @property
-    def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
-        """Every `ModelCheckpoint` among the callbacks, in order."""
-        return self._hooks.of_type(ModelCheckpoint)
-
-    @property
     def lightning_module(self) -> JaxModule | None:
         """The module this Trainer last fit (``None`` before `fit`): `validate`,
         `test` and `predict` use it when called without one, as in Lightning."""
         return self._lightning_module
-
-    @property
-    def progress_bar_callback(self) -> TQDMProgressBar | None:
-        """The progress bar among the callbacks (``None`` when it is off)."""
-        return next(iter(self._hooks.of_type(TQDMProgressBar)), None)
 
     @property
     def estimated_stepping_batches(self) -> float:
@@ -465,16 +363,6 @@ class Trainer:
         a step since the last report had a non-finite loss, so a bad state is
         never saved.
         """
-        if not self._program.started:
-            raise RuntimeError("nothing to checkpoint: fit has not started")
-        if self._progress.steps_ahead:
-            raise RuntimeError(
-                f"a checkpoint now would hold a train state {self._progress.steps_ahead} "
-                "step(s) ahead of this batch (steps_per_execution runs several batches per "
-                "dispatch); save at the end of a dispatch: in on_train_batch_end when "
-                "trainer.steps_ahead == 0, or with ModelCheckpoint(every_n_train_steps=...), "
-                "which ends dispatches at its steps"
-            )
         tree = self._program.checkpoint_tree()
         meta = resume.checkpoint_record(
             self._hooks,
@@ -570,18 +458,7 @@ class Trainer:
 
     def _fit(self, module: JaxModule, train: Any, val: Any, ckpt_path: Any) -> None:
         manual = checks.fit_module(module, self._program.options)
-        if val is not None and not self._evaluation.has_batches("validation", val):
-            val = None  # limit_val_batches=0: validation is off
-        if val is not None and not type(module)._overrides(eval_hook(module, "validation")):
-            warnings.warn(
-                "You passed in a `val_dataloader` but have no `validation_step` (nor "
-                "`eval_step`). Skipping val loop.",
-                UserWarning,
-                stacklevel=3,  # the user's fit line
-            )
-            val = None
-        if val is not None:
-            checks.module_hooks(module, eval_hook(module, "validation"))
+        val = self._evaluation.validation_loaders(module, val)
         self._epoch_batches = (self._pipeline.train_batches_per_epoch(train),)
         if self._default_epochs:
             warnings.warn(
@@ -596,10 +473,6 @@ class Trainer:
             self.callbacks.append(PlateauStepper(*plateau, self._program.set_plateau_scale))
         if self.max_epochs != 1:
             checks.reiterable(train, "train_dataloaders", passes="once per epoch")
-        for loader in as_list(val):
-            checks.reiterable(
-                loader, "val_dataloaders", passes="in the sanity check and at every validation"
-            )
         if ckpt_path is None and slurm.restarted():  # a requeued job goes on
             ckpt_path = "last" if self._last_exists() else None
         path = self._resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None

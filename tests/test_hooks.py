@@ -367,8 +367,10 @@ def test_a_val_loader_without_a_validation_step_is_skipped_with_a_warning():
 
     x, y = digits(32)
     trainer = quiet_trainer(max_epochs=1)
-    with pytest.warns(UserWarning, match="no `validation_step`.*Skipping val loop"):
+    with pytest.warns(UserWarning, match="no `validation_step`.*Skipping val loop") as caught:
         trainer.fit(NoEval(), loader(x, y, 16), loader(x, y, 16))
+    skipped = [w for w in caught if "Skipping val loop" in str(w.message)]
+    assert skipped[0].filename == __file__  # points at the user's fit line
     assert trainer.global_step == 2 and not any(
         k.startswith("val") for k in trainer.callback_metrics
     )

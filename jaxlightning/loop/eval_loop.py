@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxlightning import checks
 from jaxlightning.data import Pipeline
 from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.program import Program
@@ -81,6 +82,28 @@ class EvalLoop:
             raise
         self.reporter.finalize()
         return results
+
+    def validation_loaders(self, module: JaxModule, val: Any) -> Any:
+        """``val`` as `fit` validates on it: ``None`` when validation is off
+        (``limit_val_batches=0``, or, with a warning as in Lightning, a module
+        without a validation step); refuses loaders it could read only once."""
+        if val is None or not self.has_batches("validation", val):
+            return None
+        hook = eval_hook(module, "validation")
+        if not type(module)._overrides(hook):
+            warnings.warn(
+                "You passed in a `val_dataloader` but have no `validation_step` (nor "
+                "`eval_step`). Skipping val loop.",
+                UserWarning,
+                stacklevel=4,  # the user's fit line (here, Trainer._fit, Trainer.fit)
+            )
+            return None
+        checks.module_hooks(module, hook)
+        for loader in as_list(val):
+            checks.reiterable(
+                loader, "val_dataloaders", passes="in the sanity check and at every validation"
+            )
+        return val
 
     def has_batches(self, stage: str, dataloaders: Any) -> bool:
         """Whether an evaluation of ``stage`` would run any batch (a loader of

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jaxlightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from jaxlightning.callbacks import Callback, EarlyStopping, ModelCheckpoint, TQDMProgressBar
 from jaxlightning.module import JaxModule
 
 _STAGES = ("train", "validation", "test", "predict")
@@ -73,6 +73,21 @@ class Hooks:
     def of_type(self, kind: type) -> list[Any]:
         """The callbacks that are instances of ``kind``."""
         return [c for c in self.callbacks if isinstance(c, kind)]
+
+    @property
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        """The first `ModelCheckpoint` among the callbacks."""
+        return next(iter(self.of_type(ModelCheckpoint)), None)
+
+    @property
+    def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
+        """Every `ModelCheckpoint` among the callbacks, in order."""
+        return self.of_type(ModelCheckpoint)
+
+    @property
+    def progress_bar_callback(self) -> Any:
+        """The progress bar among the callbacks (``None`` when it is off)."""
+        return next(iter(self.of_type(TQDMProgressBar)), None)
 
     def keyed(self, legacy: bool = False) -> list[tuple[str, Callback]]:
         """Each callback with the key its state is saved under in checkpoints: its

@@ -152,7 +152,18 @@ class Program:
 
     def checkpoint_tree(self) -> dict[str, Any]:
         """What a checkpoint writes: the state's arrays and the metric
-        accumulator, after the steps in flight; refuses a non-finite loss."""
+        accumulator, after the steps in flight; refuses a non-finite loss, and
+        a state ahead of the batch the hooks are at (several per dispatch)."""
+        if not self.started:
+            raise RuntimeError("nothing to checkpoint: fit has not started")
+        if self.progress.steps_ahead:
+            raise RuntimeError(
+                f"a checkpoint now would hold a train state {self.progress.steps_ahead} "
+                "step(s) ahead of this batch (steps_per_execution runs several batches per "
+                "dispatch); save at the end of a dispatch: in on_train_batch_end when "
+                "trainer.steps_ahead == 0, or with ModelCheckpoint(every_n_train_steps=...), "
+                "which ends dispatches at its steps"
+            )
         self.drain()
         acc = self.fetch_metrics()
         return {"state": self.strategy.checkpoint_arrays(self.live_state()), "acc": acc}

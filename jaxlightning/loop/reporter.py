@@ -115,6 +115,11 @@ class Reporter:
         self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
 
     @property
+    def logger(self) -> Logger | None:
+        """The first logger (``None`` without one); `loggers` has them all."""
+        return self.loggers[0] if self.loggers else None
+
+    @property
     def log_dir(self) -> str | None:
         """The first logger's run directory (checkpoints go there by default)."""
         return self.loggers[0].log_dir if self.loggers else None

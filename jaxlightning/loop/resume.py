@@ -26,11 +26,6 @@ from jaxlightning.module import JaxModule
 from jaxlightning.schedule import Schedule
 
 
-def checkpoint_callback(hooks: Hooks) -> ModelCheckpoint | None:
-    """The first `ModelCheckpoint` among the callbacks."""
-    return next(iter(hooks.of_type(ModelCheckpoint)), None)
-
-
 def _checkpoint_dirs(
     callback: ModelCheckpoint | None, loggers: Sequence[Logger], default_root_dir: str
 ) -> list[str]:
