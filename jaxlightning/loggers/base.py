@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import yaml
 
 from jaxlightning.cluster import distributed
 from jaxlightning.io import storage
@@ -37,7 +38,7 @@ class Logger(abc.ABC):
     def log_hyperparams(self, params: Mapping[str, Any]) -> None: ...
 
     @abc.abstractmethod
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None: ...
 
     def resume_in(self, log_dir: str) -> None:  # noqa: B027 - optional hook
         """Continues the run that logged into ``log_dir`` (called when `fit` resumes
@@ -51,6 +52,34 @@ class Logger(abc.ABC):
         """The underlying writer, for what `log_metrics` does not cover (images,
         histograms, text); ``None`` on processes that write nothing."""
         return None
+
+
+def scalars(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """``metrics`` with one-element tensors and arrays (torch, numpy, JAX) as
+    Python numbers, as Lightning's loggers take them."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, (bool, int, float, str)) or not hasattr(v, "item"):
+            return v
+        return v.item() if np.asarray(v).size == 1 else v
+
+    return {k: plain(v) for k, v in metrics.items()}
+
+
+def flat_params(params: Mapping[Any, Any]) -> dict[str, Any]:
+    """Hyperparameters with string keys (``{123: 3}`` is logged as ``{"123": 3}``)."""
+    return {str(k): v for k, v in params.items()}
+
+
+def write_hparams_yaml(folder: str, params: Mapping[Any, Any]) -> None:
+    """``hparams.yaml`` in ``folder``: plain values as they are, others as their repr."""
+    plain = {
+        k: v if isinstance(v, (bool, int, float, str)) else repr(v)
+        for k, v in flat_params(params).items()
+    }
+    storage.makedirs(folder)
+    with storage.open_file(storage.join(folder, "hparams.yaml"), "w") as f:
+        yaml.safe_dump(plain, f)
 
 
 def finalize_all(loggers: Sequence[Logger], *, quiet: bool = False) -> None:
@@ -90,11 +119,17 @@ class VersionedLogger(Logger):
     """
 
     def __init__(
-        self, save_dir: str, name: str = "lightning_logs", version: int | str | None = None
+        self, save_dir: str, name: str | None = "lightning_logs", version: int | str | None = None
     ) -> None:
         self.save_dir = os.fspath(save_dir)
-        self.name = name
+        self.name = name or ""  # None or "": versions directly under save_dir, as Lightning
         self._version = version
+
+    @property
+    def root_dir(self) -> str:
+        """The folder holding the versions: ``{save_dir}/{name}`` (``save_dir``
+        when the name is empty)."""
+        return storage.join(self.save_dir, self.name) if self.name else self.save_dir
 
     def resume_in(self, log_dir: str) -> None:
         """Logs into ``log_dir`` when it is one of this logger's version folders and
@@ -103,7 +138,7 @@ class VersionedLogger(Logger):
             return
         parent, leaf = storage.split(log_dir)
         match = _VERSION_DIR.fullmatch(leaf)
-        if match and parent == storage.resolve(storage.join(self.save_dir, self.name)):
+        if match and parent == storage.resolve(self.root_dir):
             self._version = int(match.group(1))
 
     @property
@@ -111,7 +146,7 @@ class VersionedLogger(Logger):
         if self._version is None:
             # Process 0 picks it; in a multi-process run every process must ask at
             # the same point (the Trainer does, at the start of each run).
-            version = next_version(storage.join(self.save_dir, self.name))
+            version = next_version(self.root_dir)
             self._version = int(distributed.broadcast(np.int32(version)))
         return self._version
 
@@ -119,4 +154,4 @@ class VersionedLogger(Logger):
     def log_dir(self) -> str:
         version = self.version
         folder = version if isinstance(version, str) else f"version_{version}"
-        return storage.join(self.save_dir, self.name, folder)
+        return storage.join(self.root_dir, folder)

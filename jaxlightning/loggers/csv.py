@@ -6,11 +6,9 @@ import csv
 from collections.abc import Mapping
 from typing import Any
 
-import yaml
-
 from jaxlightning.cluster import distributed
 from jaxlightning.io import storage
-from jaxlightning.loggers.base import VersionedLogger
+from jaxlightning.loggers.base import VersionedLogger, scalars, write_hparams_yaml
 
 
 class CSVLogger(VersionedLogger):
@@ -25,7 +23,8 @@ class CSVLogger(VersionedLogger):
 
     Args:
         save_dir: the root folder.
-        name: the experiment folder under it.
+        name: the experiment folder under it (``None`` or ``""``: none, the
+            versions go directly under ``save_dir``).
         version: a fixed version instead of the next free one: a number (the
             folder ``version_{N}``) or a name (the folder itself, as Lightning).
         flush_logs_every_n_steps: rows buffered before they are written.
@@ -34,7 +33,7 @@ class CSVLogger(VersionedLogger):
     def __init__(
         self,
         save_dir: str,
-        name: str = "lightning_logs",
+        name: str | None = "lightning_logs",
         version: int | str | None = None,
         flush_logs_every_n_steps: int = 100,
     ) -> None:
@@ -42,6 +41,7 @@ class CSVLogger(VersionedLogger):
         self.flush_logs_every_n_steps = flush_logs_every_n_steps
         self._rows: list[dict[str, Any]] = []
         self._header: list[str] = []
+        self._logged = 0  # rows logged by this logger
 
     @property
     def metrics_file_path(self) -> str:
@@ -54,17 +54,16 @@ class CSVLogger(VersionedLogger):
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         if not distributed.is_rank_zero():
             return
-        storage.makedirs(self.log_dir)
-        plain = {
-            k: v if isinstance(v, (bool, int, float, str)) else repr(v) for k, v in params.items()
-        }
-        with storage.open_file(storage.join(self.log_dir, "hparams.yaml"), "w") as f:
-            yaml.safe_dump(plain, f)
+        write_hparams_yaml(self.log_dir, params)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """One row; without ``step``, the row's number in this logger (Lightning's)."""
         if not distributed.is_rank_zero():
             return
-        self._rows.append({"step": step, **metrics})
+        if step is None:
+            step = self._logged
+        self._logged += 1
+        self._rows.append({"step": step, **scalars(metrics)})
         if len(self._rows) >= self.flush_logs_every_n_steps:
             self.save()
 

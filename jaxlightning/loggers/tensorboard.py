@@ -14,7 +14,7 @@ from tensorboardX.summary import hparams as hparams_summary
 
 from jaxlightning.cluster import distributed
 from jaxlightning.io import storage
-from jaxlightning.loggers.base import VersionedLogger
+from jaxlightning.loggers.base import VersionedLogger, flat_params, scalars, write_hparams_yaml
 
 # tensorboardX names event files by the second they were opened in; a file
 # opened again in the same second (fit, then validate) would overwrite the
@@ -83,7 +83,7 @@ class TensorBoardLogger(VersionedLogger):
     def __init__(
         self,
         save_dir: str,
-        name: str = "lightning_logs",
+        name: str | None = "lightning_logs",
         version: int | str | None = None,
         **writer_kwargs: Any,
     ) -> None:
@@ -127,11 +127,16 @@ class TensorBoardLogger(VersionedLogger):
             )
         return True
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+    def log_hyperparams(
+        self, params: Mapping[Any, Any], metrics: Mapping[str, float] | None = None
+    ) -> None:
+        """Writes ``params`` to the HPARAMS tab and to ``hparams.yaml`` in the
+        run directory (Lightning's file); ``metrics`` are logged at step 0."""
         # SummaryWriter.add_hparams would write into a new sub-run; write the
         # hparams summaries into this run instead so TensorBoard shows one run.
         # The experiment summary, which lists the HPARAMS tab's metric columns,
         # is written when the run's metric names are known (`finalize`).
+        params = flat_params(params)
         self._hparams = {k: _hparam_value(v) for k, v in params.items()}
         self._summarised = frozenset()
         if self.writer is None:
@@ -139,11 +144,15 @@ class TensorBoardLogger(VersionedLogger):
         _, start, end = hparams_summary(self._hparams, {})
         self.writer.file_writer.add_summary(start)
         self.writer.file_writer.add_summary(end)
+        write_hparams_yaml(self.log_dir, params)
+        if metrics:
+            self.log_metrics(metrics, 0)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         writer = self.writer
         if writer is None or self._failed():
             return
+        metrics = scalars(metrics)
         self._metric_names.update(metrics)
         for name, value in metrics.items():
             writer.add_scalar(name, value, global_step=step)
