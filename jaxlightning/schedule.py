@@ -22,9 +22,12 @@ def is_duration(value: Any) -> bool:
     return isinstance(value, (datetime.timedelta, dict, str))
 
 
-def parse_max_time(value: Any, name: str = "max_time") -> float | None:
+def parse_max_time(
+    value: Any, name: str = "max_time", minimum: float | None = None
+) -> float | None:
     """``max_time`` (or another duration, ``name``) in seconds: ``"DD:HH:MM:SS"``,
-    a dict of `datetime.timedelta` keywords, a ``timedelta``, or ``None``."""
+    a dict of `datetime.timedelta` keywords, a ``timedelta``, or ``None``.
+    Positive, or at least ``minimum`` where one is given."""
     if value is None:
         return None
     if isinstance(value, datetime.timedelta):
@@ -42,8 +45,10 @@ def parse_max_time(value: Any, name: str = "max_time") -> float | None:
             f"{name}={value!r}: use 'DD:HH:MM:SS', a dict such as {{'hours': 1}}, or a "
             "datetime.timedelta"
         )
-    if seconds <= 0:
+    if minimum is None and seconds <= 0:
         raise ValueError(f"{name}={value!r}: must be positive")
+    if minimum is not None and seconds < minimum:
+        raise ValueError(f"{name}={value!r}: must be at least {minimum} seconds")
     return seconds
 
 
@@ -87,7 +92,6 @@ class Schedule:
         max_steps: ``-1`` for no step limit.
         min_epochs, min_steps: a stop requested earlier (``should_stop``,
             `EarlyStopping`) waits until both are reached.
-        max_time: seconds of training before the fit stops (``None``: no limit).
         val_check_interval: float: validate every this fraction of an epoch's
             batches; int: every this many training batches (per epoch, or across
             epochs with ``check_val_every_n_epoch=None``), counted in batches,
@@ -105,7 +109,6 @@ class Schedule:
     max_steps: int = -1
     min_epochs: int = 0
     min_steps: int = 0
-    max_time: float | None = None
     val_check_interval: int | float = 1.0
     val_check_seconds: float | None = None
     check_val_every_n_epoch: int | None = 1
@@ -224,9 +227,6 @@ class Schedule:
     def may_stop(self, epochs_done: int, global_step: int) -> bool:
         """Whether a requested stop may take effect (``min_epochs``/``min_steps``)."""
         return epochs_done >= self.min_epochs and global_step >= self.min_steps
-
-    def time_up(self, elapsed: float) -> bool:
-        return self.max_time is not None and elapsed >= self.max_time
 
     def estimated_steps(self, epoch_batches: int | None) -> float:
         """Optimizer steps the fit will take (``inf`` when unbounded)."""

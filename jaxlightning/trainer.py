@@ -70,10 +70,11 @@ class Trainer:
         min_epochs: a stop requested earlier (``trainer.should_stop``,
             `EarlyStopping`) waits until this many epochs have run.
         min_steps: likewise, until this many optimizer steps have run.
-        max_time: stop training at the next step once this much time has passed
-            (``"DD:HH:MM:SS"``, a dict such as ``{"hours": 4}``, or a
-            ``timedelta``); overrides ``min_epochs``/``min_steps``. Across
-            processes, process 0's clock decides at logging intervals.
+        max_time: stop training at the next step once this much training time
+            has passed (``"DD:HH:MM:SS"``, a dict such as ``{"hours": 4}``, or a
+            ``timedelta``): adds a `Timer` callback, as Lightning, whose stop
+            ``min_epochs``/``min_steps`` hold back. Across processes, process
+            0's clock decides at logging intervals.
         devices: ``"auto"`` (all local devices), a count, or a list of devices.
         accelerator: ``"auto"`` (JAX's default platform), ``"cpu"``, ``"gpu"``
             (or ``"cuda"``) or ``"tpu"``: whose devices ``devices`` counts; an

@@ -37,7 +37,7 @@ def test_timer_measures_stages_and_stops_after_its_duration():
     trainer = quiet_trainer(max_epochs=3, callbacks=[timer])
     trainer.fit(LitMLP(), loader(*digits(64), 8))
     assert trainer.global_step == 1  # time is up after the first step
-    assert timer.time_elapsed("fit") > 0 and timer.time_remaining() == 0.0
+    assert timer.time_elapsed("train") > 0 and timer.time_remaining() <= 0.0
     trainer.validate(LitMLP(), loader(*digits(16), 8))
     assert timer.time_elapsed("validate") > 0
 

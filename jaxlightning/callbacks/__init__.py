@@ -1,5 +1,7 @@
 """Callbacks: host-side hooks into the loop."""
 
+import datetime
+
 from jaxlightning.callbacks.base import Callback as Callback
 from jaxlightning.callbacks.checkpoint import ModelCheckpoint as ModelCheckpoint
 from jaxlightning.callbacks.early_stopping import EarlyStopping as EarlyStopping
@@ -23,12 +25,15 @@ def with_defaults(
     progress_bar: bool,
     summary: bool,
     profiler: str | None,
+    max_time: float | None = None,
 ) -> list[Callback]:
     """``callbacks`` with the ones the Trainer adds by default, unless given:
     a `ModelCheckpoint`, a `TQDMProgressBar` (process 0 only), a `ModelSummary`
-    (first), and a `JaxProfiler` for ``profiler="jax"``. Refuses a `ModelCheckpoint`
-    when ``checkpointing`` is off (`check_checkpointing`)."""
+    (first), a `JaxProfiler` for ``profiler="jax"``, and a `Timer` for
+    ``max_time`` (seconds; one among ``callbacks`` is kept, as in Lightning).
+    Refuses a `ModelCheckpoint` when ``checkpointing`` is off (`check_checkpointing`)."""
     from jaxlightning.cluster import distributed
+    from jaxlightning.cluster.rank_zero import rank_zero_info
 
     def has(kind: type) -> bool:
         return any(isinstance(c, kind) for c in callbacks)
@@ -45,6 +50,13 @@ def with_defaults(
         raise ValueError(f"profiler={profiler!r}: use 'jax' or None")
     if profiler == "jax":
         callbacks.append(JaxProfiler())
+    if max_time is not None:
+        if has(Timer):
+            rank_zero_info(
+                "Ignoring `Trainer(max_time=...)`, callbacks list already contains a Timer."
+            )
+        else:
+            callbacks.append(Timer(duration=datetime.timedelta(seconds=max_time)))
     return callbacks
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,7 @@ from clu import parameter_overview
 
 from jaxlightning.callbacks.base import Callback
 from jaxlightning.cluster import distributed
+from jaxlightning.cluster.rank_zero import rank_zero_info
 from jaxlightning.schedule import parse_max_time
 from jaxlightning.training.nnx import is_nnx
 from jaxlightning.tuner.cost import peak_flops
@@ -111,50 +113,124 @@ def flat_shapes(tree: Any) -> dict[str, Any]:
 
 
 class Timer(Callback):
-    """Measures the time spent in each stage, and stops training after
-    ``duration`` (as ``Trainer(max_time=...)`` does), counting time across
-    resumes: the elapsed training time is saved in checkpoints.
+    """Measures the time spent in each stage, and stops training once
+    ``duration`` has passed, as Lightning's ``Timer`` (``Trainer(max_time=...)``
+    adds one): the elapsed training time is saved in checkpoints, so a resumed
+    run counts on from it.
+
+    Stages are ``"train"`` (from ``on_train_start``, once the train step is
+    compiled: compiling is not training), ``"validate"``, ``"test"`` and
+    ``"predict"``. The limit is checked after each training batch
+    (``interval="step"``) or epoch (``"epoch"``), and when a fit starts (a
+    timer restored used up trains nothing); across processes, process 0's
+    clock decides, at logging intervals. The stop is a request
+    (``trainer.should_stop``): ``min_epochs``/``min_steps`` hold it back.
 
     Args:
         duration: ``"DD:HH:MM:SS"``, a dict of ``timedelta`` keywords, a
-            ``timedelta``, or ``None`` to only measure.
+            ``timedelta`` (zero included: stop at the first check), or ``None``
+            to only measure.
+        interval: ``"step"`` or ``"epoch"``: when the limit is checked.
+        verbose: say on process 0 when the time limit stops training.
     """
 
-    def __init__(self, duration: Any = None) -> None:
-        self.duration = parse_max_time(duration)
-        self._elapsed: dict[str, float] = {}
-        self._started: dict[str, float] = {}
+    STAGES = ("train", "validate", "test", "predict")
 
-    def setup(self, trainer: TrainerView, module: JaxModule, stage: str) -> None:
-        self._started[stage] = time.monotonic()
+    def __init__(self, duration: Any = None, interval: str = "step", verbose: bool = True) -> None:
+        if interval not in ("step", "epoch"):
+            raise ValueError(
+                f"Unsupported parameter value Timer(interval={interval!r}): use 'step' or 'epoch'"
+            )
+        self.duration = parse_max_time(duration, "duration", minimum=0.0)
+        self.interval = interval
+        self.verbose = verbose
+        self._start: dict[str, float | None] = dict.fromkeys(self.STAGES)
+        self._end: dict[str, float | None] = dict.fromkeys(self.STAGES)
+        self._offset = 0.0  # training time of the runs before a resume
 
-    def teardown(self, trainer: TrainerView, module: JaxModule, stage: str) -> None:
-        self._elapsed[stage] = self.time_elapsed(stage)
-        self._started.pop(stage, None)
+    def start_time(self, stage: str = "train") -> float | None:
+        """When ``stage`` last started (``time.monotonic``), ``None`` if never."""
+        return self._start[stage]
 
-    def time_elapsed(self, stage: str = "fit") -> float:
-        """Seconds spent in ``stage`` (``"fit"``, ``"validate"``, ...), so far."""
-        running = time.monotonic() - self._started[stage] if stage in self._started else 0.0
-        return self._elapsed.get(stage, 0.0) + running
+    def end_time(self, stage: str = "train") -> float | None:
+        """When ``stage`` last ended, ``None`` while it runs or before."""
+        return self._end[stage]
 
-    def time_remaining(self) -> float | None:
-        """Seconds left of ``duration`` for `fit` (``None`` without one)."""
-        return None if self.duration is None else max(self.duration - self.time_elapsed(), 0.0)
+    def time_elapsed(self, stage: str = "train") -> float:
+        """Seconds spent in ``stage``'s last run (for ``"train"``, plus the
+        training time restored from a checkpoint)."""
+        start, end = self._start[stage], self._end[stage]
+        offset = self._offset if stage == "train" else 0.0
+        if start is None:
+            return offset
+        return (time.monotonic() if end is None else end) - start + offset
+
+    def time_remaining(self, stage: str = "train") -> float | None:
+        """``duration`` less the time elapsed (negative once over; ``None``
+        without a duration)."""
+        return None if self.duration is None else self.duration - self.time_elapsed(stage)
+
+    def _started(self, stage: str) -> None:
+        self._start[stage], self._end[stage] = time.monotonic(), None
+
+    def _ended(self, stage: str) -> None:
+        self._end[stage] = time.monotonic()
+
+    def on_train_start(self, trainer: TrainerView, module: JaxModule) -> None:
+        self._started("train")
+
+    def on_train_end(self, trainer: TrainerView, module: JaxModule) -> None:
+        self._ended("train")
+
+    def on_validation_start(self, trainer: TrainerView, module: JaxModule) -> None:
+        self._started("validate")
+
+    def on_validation_end(self, trainer: TrainerView, module: JaxModule) -> None:
+        self._ended("validate")
+
+    def on_test_start(self, trainer: TrainerView, module: JaxModule) -> None:
+        self._started("test")
+
+    def on_test_end(self, trainer: TrainerView, module: JaxModule) -> None:
+        self._ended("test")
+
+    def on_predict_start(self, trainer: TrainerView, module: JaxModule) -> None:
+        self._started("predict")
+
+    def on_predict_end(self, trainer: TrainerView, module: JaxModule) -> None:
+        self._ended("predict")
+
+    def on_fit_start(self, trainer: TrainerView, module: JaxModule) -> None:
+        # after the checkpoint's state is restored: a used-up timer trains nothing
+        if self.duration is not None:
+            self._check(trainer, at_sync=True)
 
     def on_train_batch_end(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:
-        if self.duration is None:
-            return
-        # every process stops at one step: process 0's clock, at logging intervals
-        at_sync = trainer.global_step % trainer.log_every_n_steps == 0
-        if distributed.agree(self.time_remaining() == 0.0, at_sync=at_sync):
+        if self.interval == "step" and self.duration is not None:
+            self._check(trainer, at_sync=trainer.global_step % trainer.log_every_n_steps == 0)
+
+    def on_train_epoch_end(self, trainer: TrainerView, module: JaxModule) -> None:
+        if self.interval == "epoch" and self.duration is not None:
+            self._check(trainer, at_sync=True)
+
+    def _check(self, trainer: TrainerView, *, at_sync: bool) -> None:
+        # every process stops at one step: process 0's clock decides at sync points
+        elapsed = self.time_elapsed()
+        if distributed.agree(elapsed >= self.duration, at_sync=at_sync):
             trainer.should_stop = True
+            if self.verbose:
+                rank_zero_info(
+                    f"Time limit reached. Elapsed time is "
+                    f"{datetime.timedelta(seconds=int(elapsed))}. Signaling Trainer to stop."
+                )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"fit": self.time_elapsed("fit")}
+        return {"time_elapsed": {stage: self.time_elapsed(stage) for stage in self.STAGES}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # the resumed fit started counting already; add what the run before spent
-        self._elapsed["fit"] = self._elapsed.get("fit", 0.0) + float(state.get("fit", 0.0))
+        # ({"fit": seconds}: a checkpoint written before the stages were Lightning's)
+        elapsed = state.get("time_elapsed", {"train": state.get("fit", 0.0)})
+        self._offset = float(elapsed.get("train", 0.0))
 
 
 class ThroughputMonitor(Callback):

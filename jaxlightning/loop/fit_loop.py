@@ -96,13 +96,14 @@ class FitLoop:
                 self.hooks("on_fit_start", module)
                 self._sanity_check(module, val_loaders)
                 if epochs:
+                    self.program.ready()  # a Timer counts training, not compiling
                     self.hooks("on_train_start", module)
                 if self.guard is not None:
                     self.guard.mark_good()  # the state training starts from
-                self.stop.start_clock()
                 self._last_validation = self._clock()
                 for epoch in epochs:
-                    if self.stop.step_limit_reached():
+                    # a stop asked for before the epoch (a used-up Timer) runs none of it
+                    if self.stop.step_limit_reached() or self.stop.stopping():
                         break
                     self.progress.current_epoch = epoch
                     if batches is None:
@@ -267,7 +268,6 @@ class FitLoop:
                     self.guard.checked()  # a bad state is never saved
                 self.stop.poll_signal(at_report)
                 self.hooks("on_train_batch_end", module, batch_idx)
-                self.stop.poll_time(at_report)
                 if i == last and val_loaders is not None and not self.stop.signum:
                     self._validate_after(  # else after resuming
                         module, val_loaders, epoch, batch_idx + 1, epoch_batches, at_report

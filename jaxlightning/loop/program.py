@@ -361,6 +361,12 @@ class Program:
         self._state = state.replace(model_state={**state.model_state, "batch_stats": stats})
         self.mapped += 1
 
+    def ready(self) -> None:
+        """Waits for the train step's ahead-of-time compile (errors surface at
+        the first step)."""
+        if isinstance(self._train_step, Precompiled):
+            self._train_step.join()
+
     def train_cost(self) -> StepCost | None:
         """XLA's count of one train step on one device (waits for its compile);
         ``None`` where the strategy compiles at the first call instead."""

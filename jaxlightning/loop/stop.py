@@ -1,9 +1,9 @@
 """The stop policy: when a fit stops, agreed by every process at one step.
 
-Limits (``max_steps``, ``max_epochs``), ``max_time``, ``trainer.should_stop``
-(held back by ``min_epochs``/``min_steps``) and SIGTERM/SIGINT. In a
-multi-process run every process must stop at the same step, so host-side
-conditions (a clock, SIGINT on one process) are agreed through
+Limits (``max_steps``, ``max_epochs``), ``trainer.should_stop`` (held back by
+``min_epochs``/``min_steps``; `Timer`, which ``max_time`` adds, asks through it)
+and SIGTERM/SIGINT. In a multi-process run every process must stop at the same
+step, so host-side conditions (SIGINT on one process) are agreed through
 `jaxlightning.cluster.distributed` at logging intervals; SIGTERM (a preemption notice)
 through JAX's preemption service at the next step.
 """
@@ -11,7 +11,6 @@ through JAX's preemption service at the next step.
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,9 +25,8 @@ class StopPolicy:
     """Answers "stop now?" for the fit loop.
 
     Attributes:
-        should_stop: a stop requested by a callback or the module (`EarlyStopping`);
-            takes effect once ``min_epochs`` and ``min_steps`` are reached.
-        time_up: ``max_time`` has passed; takes effect at once.
+        should_stop: a stop requested by a callback or the module (`EarlyStopping`,
+            `Timer`); takes effect once ``min_epochs`` and ``min_steps`` are reached.
         signum: the stop signal every process acts on (0: none).
     """
 
@@ -36,17 +34,15 @@ class StopPolicy:
         self.schedule = schedule
         self.progress = progress
         self.should_stop = False
-        self.time_up = False
         self.signum = 0
         self._request = StopRequest()
         self._steps = 0  # train steps polled in this fit: the preemption step ids
         self._preemption = False  # JAX's preemption service takes SIGTERM (this fit)
-        self._started = 0.0
         self._held_back = False  # told that min_epochs/min_steps hold a stop back
 
     def reset(self) -> None:
         """A new fit: nothing requested yet."""
-        self.should_stop = self.time_up = self._held_back = False
+        self.should_stop = self._held_back = False
         self.signum = 0
         self._steps = 0
 
@@ -68,10 +64,6 @@ class StopPolicy:
         """SLURM's requeue signal reached this process: requeue after saving."""
         return self._request.requeue
 
-    def start_clock(self) -> None:
-        """Training begins: ``max_time`` counts from here."""
-        self._started = time.monotonic()
-
     def step_limit_reached(self) -> bool:
         return self.schedule.step_limit_reached(self.progress.global_step)
 
@@ -86,14 +78,6 @@ class StopPolicy:
             return
         self.signum = distributed.agree_max(self._request.signum or 0, at_sync=at_sync)
 
-    def poll_time(self, at_sync: bool) -> None:
-        """Whether ``max_time`` has passed, by process 0's clock across processes."""
-        if self.schedule.max_time is None:
-            return
-        up = self.schedule.time_up(time.monotonic() - self._started)
-        if distributed.agree(up, at_sync=at_sync):
-            self.time_up = self.should_stop = True
-
     def before_batch(self) -> bool:
         """Whether the epoch stops before its next batch (and the fit with it)."""
         if self.signum or self.step_limit_reached() or self.stopping():
@@ -103,11 +87,9 @@ class StopPolicy:
 
     def stopping(self) -> bool:
         """Whether a requested stop takes effect now: ``should_stop`` waits for
-        ``min_epochs``/``min_steps``; ``max_time`` does not."""
+        ``min_epochs``/``min_steps``."""
         if not self.should_stop:
             return False
-        if self.time_up:
-            return True
         # current_epoch counts completed epochs (it moves on once one completes)
         if self.schedule.may_stop(self.progress.current_epoch, self.progress.global_step):
             return True

@@ -77,7 +77,6 @@ def wire(view: Any, resolve_ckpt_path: Callable[[Any], str], **args: Any) -> Par
         max_steps=max_steps,
         min_epochs=checks.int_arg("min_epochs", args["min_epochs"] or 0, minimum=0),
         min_steps=checks.int_arg("min_steps", args["min_steps"] or 0, minimum=0),
-        max_time=parse_max_time(args["max_time"]),
         check_val_every_n_epoch=every_n_epochs,
     )
     sanity = checks.sanity_steps(args["num_sanity_val_steps"])
@@ -115,6 +114,7 @@ def wire(view: Any, resolve_ckpt_path: Callable[[Any], str], **args: Any) -> Par
         progress_bar=args["enable_progress_bar"],
         summary=args["enable_model_summary"],
         profiler=args["profiler"],
+        max_time=parse_max_time(args["max_time"], minimum=0.0),
     )
 
     progress = Progress(accumulate=options.accumulate_grad_batches)
