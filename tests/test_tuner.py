@@ -112,13 +112,15 @@ class _LinearRegression(jl.JaxModule):
 
 
 def _numpy_range_test(x, y, batch, lrs, beta=0.98):
-    """The smoothed losses of SGD on the same batches, at the given rates."""
+    """The smoothed losses of SGD on the same batches, at the given rates, as
+    Lightning's _LRCallback smooths them: bias-corrected at the global step
+    after the update (1-based), hence ``beta ** (step + 2)`` for 0-based steps."""
     w, average, smoothed = np.zeros(x.shape[1]), 0.0, []
     for step, lr in enumerate(lrs):
         xb, yb = x[step * batch : (step + 1) * batch], y[step * batch : (step + 1) * batch]
         error = xb.astype(np.float64) @ w - yb
         average = beta * average + (1 - beta) * np.mean(error**2)
-        smoothed.append(average / (1 - beta ** (step + 1)))
+        smoothed.append(average / (1 - beta ** (step + 2)))
         w = w - lr * np.mean(2 * error[:, None] * xb, axis=0)
     return smoothed
 
@@ -185,3 +187,30 @@ def test_lr_find_stops_when_the_loss_diverges_and_names_a_missing_rate():
 
     with pytest.raises(AttributeError, match="no learning rate on NoRate: looked for 'lr' and"):
         jl.Tuner(quiet_trainer()).lr_find(NoRate(), loader(x, y, 8))
+
+
+def test_lr_find_with_accumulation_records_each_update():
+    """tuner/test_lr_finder.py::test_accumulation_and_early_stopping: with
+    accumulate_grad_batches=2 each record is an update (two batches)."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(40 * 8, 4)).astype(np.float32)
+    y = (x @ np.ones(4)).astype(np.float32)
+    model = _LinearRegression()
+    finder = jl.Tuner(quiet_trainer(accumulate_grad_batches=2)).lr_find(
+        model, loader(x, y, 8), min_lr=1e-6, max_lr=1e-2, num_training=20, early_stop_threshold=None
+    )
+    assert len(finder.results["lr"]) == len(finder.results["loss"]) == 20
+    np.testing.assert_allclose(finder.results["lr"], np.geomspace(1e-6, 1e-2, 20), rtol=1e-6)
+    assert finder.suggestion() is not None
+
+
+def test_lr_find_accepts_swapped_bounds():
+    """Lightning sweeps from min_lr to max_lr whichever is larger."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(20 * 8, 4)).astype(np.float32)
+    y = (x @ np.ones(4)).astype(np.float32)
+    finder = jl.Tuner(quiet_trainer()).lr_find(
+        _LinearRegression(), loader(x, y, 8), min_lr=1e-2, max_lr=1e-5, num_training=12,
+        early_stop_threshold=None, update_attr=False,
+    )  # fmt: skip
+    np.testing.assert_allclose(finder.results["lr"], np.geomspace(1e-2, 1e-5, 12), rtol=1e-6)

@@ -82,7 +82,11 @@ def sweep(min_lr: float, max_lr: float, steps: int, mode: str) -> optax.Schedule
 
 
 class _Recorder(Callback):
-    """Records each step's rate and smoothed loss; stops on divergence."""
+    """Records each update's rate and smoothed loss; stops on divergence, by
+    Lightning's rule (``_LRCallback``): the loss is averaged exponentially
+    (``beta``) and bias-corrected at update ``global_step``; the first two
+    updates set the best loss and are never divergent; later, a smoothed loss
+    above ``threshold`` times the best (or not finite) stops the test."""
 
     def __init__(self, schedule: optax.Schedule, threshold: float | None, beta: float) -> None:
         self.schedule, self.threshold, self.beta = schedule, threshold, beta
@@ -90,18 +94,20 @@ class _Recorder(Callback):
         self.losses: list[float] = []
         self._average, self._best = 0.0, np.inf
 
-    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: Any, module: Any, batch_idx: int) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return  # a micro-batch: the update (and its loss) comes later
         loss = float(trainer.callback_metrics["train/loss"])
-        step = len(self.lrs)
-        self.lrs.append(float(self.schedule(step)))
+        step = trainer.global_step  # updates so far, this one included
+        self.lrs.append(float(self.schedule(len(self.lrs))))
         self._average = self.beta * self._average + (1 - self.beta) * loss
         smoothed = self._average / (1 - self.beta ** (step + 1))
         self.losses.append(smoothed)
-        self._best = min(self._best, smoothed)
-        if self.threshold is not None and (
-            not np.isfinite(smoothed) or smoothed > self.threshold * self._best
-        ):
-            trainer.should_stop = True
+        if self.threshold is not None and step > 1:
+            if not np.isfinite(smoothed) or smoothed > self.threshold * self._best:
+                trainer.should_stop = True
+        if smoothed < self._best or step == 1:
+            self._best = smoothed
 
 
 def _rate_owner(model: Any, attr_name: str) -> tuple[Any, str]:
@@ -142,8 +148,8 @@ def lr_find(
     if mode not in ("exponential", "linear"):
         raise ValueError(f'mode must be "exponential" or "linear", got {mode!r}')
     checks.int_arg("num_training", num_training, minimum=2)
-    if not 0 < min_lr < max_lr:
-        raise ValueError(f"lr_find needs 0 < min_lr < max_lr, got {min_lr} and {max_lr}")
+    if min_lr <= 0 or max_lr <= 0:
+        raise ValueError(f"lr_find needs positive rates, got min_lr={min_lr}, max_lr={max_lr}")
     owner, name = _rate_owner(model, attr_name)
     schedule = sweep(min_lr, max_lr, num_training, mode)
     recorder = _Recorder(schedule, early_stop_threshold, beta)
