@@ -32,12 +32,17 @@ def test_power_and_binsearch_find_the_fitting_boundary_and_set_the_batch_size():
     assert not trainer._program.started  # nothing ran, no state was built
 
     found = jl.Tuner(trainer).scale_batch_size(
-        module, train, mode="binsearch", max_bytes=budget, init_val=3
+        module, train, mode="binsearch", max_bytes=budget, init_val=3, margin=0.0
     )
     # the largest size (a multiple of the 2 devices) that fits: the next does not
     assert found % 2 == 0 and found >= 256
     assert _peak(trainer, module, train, found) <= budget
     assert _peak(trainer, module, train, found + 2) > budget
+    # Lightning's default 5% safety margin, down to a multiple of the devices
+    safe = jl.Tuner(trainer).scale_batch_size(
+        module, train, mode="binsearch", max_bytes=budget, init_val=3
+    )
+    assert safe == int(found * 0.95) // 2 * 2 == module.batch_size
     trainer.fit(module, loader(*digits(64), found))  # and it trains
     assert trainer.global_step == 1
 
@@ -77,6 +82,19 @@ class _Digits(jl.DataModule):
 
     def train_dataloader(self):
         return loader(*digits(64), self.batch_size)
+
+
+def test_fast_dev_run_tunes_nothing():
+    """Lightning's trainer/flags/test_fast_dev_run.py::test_skip_on_fast_dev_run_tuner:
+    both finders are skipped under fast_dev_run, with a warning, and nothing changes."""
+    module = LitMLP(hidden=16)
+    module.batch_size = 8
+    tuner = jl.Tuner(quiet_trainer(fast_dev_run=True))
+    with pytest.warns(UserWarning, match="Skipping batch size scaler since `fast_dev_run`"):
+        assert tuner.scale_batch_size(module, loader(*digits(32), 8), max_bytes=2**40) is None
+    with pytest.warns(UserWarning, match="Skipping learning rate finder since `fast_dev_run`"):
+        assert tuner.lr_find(module, loader(*digits(32), 8)) is None
+    assert module.batch_size == 8 and module.variables is None
 
 
 def test_every_holder_of_the_batch_size_gets_the_new_size():

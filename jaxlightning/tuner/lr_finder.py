@@ -103,9 +103,9 @@ class _Recorder(Callback):
         self._average = self.beta * self._average + (1 - self.beta) * loss
         smoothed = self._average / (1 - self.beta ** (step + 1))
         self.losses.append(smoothed)
-        if self.threshold is not None and step > 1:
-            if not np.isfinite(smoothed) or smoothed > self.threshold * self._best:
-                trainer.should_stop = True
+        diverged = not np.isfinite(smoothed) or smoothed > (self.threshold or 0) * self._best
+        if self.threshold is not None and step > 1 and diverged:
+            trainer.should_stop = True
         if smoothed < self._best or step == 1:
             self._best = smoothed
 

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from jaxlightning import checks
+from jaxlightning.cluster.rank_zero import rank_zero_warn
 from jaxlightning.data.arrays import as_loader
 from jaxlightning.data.datamodule import fit_loaders, is_datamodule
 from jaxlightning.module import JaxModule
@@ -41,7 +42,10 @@ class Tuner:
         max_trials: int = 25,
         max_bytes: int | None = None,
         batch_arg_name: str = "batch_size",
-    ) -> int:
+        method: str = "fit",
+        steps_per_trial: int = 3,
+        margin: float = 0.05,
+    ) -> int | None:
         """The largest global batch size whose compiled train step fits in each
         device's memory, set on the model (or datamodule) as ``batch_arg_name``
         where it has one (an attribute or a hyperparameter), and returned.
@@ -62,7 +66,29 @@ class Tuner:
             max_bytes: one device's memory for the step (default: the smallest
                 device's limit; required where devices report none, as on CPU).
             batch_arg_name: the attribute or hyperparameter to set.
+            method: ``"fit"``: the train step is what is sized (Lightning's
+                other methods size an evaluation loop; refused here).
+            steps_per_trial: accepted for Lightning's signature: no step runs
+                here, each candidate is only compiled.
+            margin: with ``"binsearch"``, the size found is lowered by this
+                fraction (Lightning's 5% safety margin), to a multiple of the
+                devices.
+
+        Returns:
+            The size, or ``None`` under ``fast_dev_run`` (nothing is tuned,
+            with a warning, as in Lightning).
         """
+        if self.trainer.fast_dev_run:
+            rank_zero_warn("Skipping batch size scaler since `fast_dev_run` is enabled.")
+            return None
+        if method != "fit":
+            raise ValueError(
+                f"scale_batch_size(method={method!r}): only 'fit' is supported; the search "
+                "sizes the compiled train step"
+            )
+        if not 0 <= margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {margin}")
+        checks.int_arg("steps_per_trial", steps_per_trial, minimum=1)
         if mode not in ("power", "binsearch"):
             raise ValueError(f'mode must be "power" or "binsearch", got {mode!r}')
         checks.int_arg("init_val", init_val, minimum=1)
@@ -89,6 +115,9 @@ class Tuner:
                 init_val=init_val,
                 max_trials=max_trials,
             )
+        if mode == "binsearch" and margin > 0:
+            shards = trainer.strategy.num_local_shards
+            low = max(int(low * (1 - margin)) // shards * shards, shards)
         _set_batch_size(model, datamodule, batch_arg_name, low)
         return low
 
@@ -98,7 +127,7 @@ class Tuner:
         train_dataloaders: Any = None,
         datamodule: Any = None,
         **settings: Any,
-    ) -> LRFinder:
+    ) -> LRFinder | None:
         """Lightning's learning-rate range test: steps with the rate growing from
         ``min_lr`` to ``max_lr``, the loss of each recorded, and the rate where
         it falls fastest suggested (`LRFinder.suggestion`) and, with
@@ -125,8 +154,12 @@ class Tuner:
 
         Returns:
             An `LRFinder`: ``results`` (rates and smoothed losses),
-            ``suggestion()``, ``plot(suggest=True)`` (with matplotlib).
+            ``suggestion()``, ``plot(suggest=True)`` (with matplotlib);
+            ``None`` under ``fast_dev_run`` (nothing is tuned, with a warning).
         """
+        if self.trainer.fast_dev_run:
+            rank_zero_warn("Skipping learning rate finder since `fast_dev_run` is enabled.")
+            return None
         if datamodule is None and is_datamodule(train_dataloaders):
             datamodule, train_dataloaders = train_dataloaders, None
         return lr_find(self.trainer, model, train_dataloaders, datamodule, **settings)
