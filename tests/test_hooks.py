@@ -386,3 +386,28 @@ def test_a_module_sees_the_trainers_loggers_while_it_runs(tmp_path):
     logger = jl.CSVLogger(save_dir=tmp_path)
     quiet_trainer(max_steps=1, logger=logger).fit(Looks(), loader(*digits(16), 8))
     assert seen == [[logger]] and Looks().loggers == []
+
+
+@pytest.mark.parametrize(("max_epochs", "batch_idx_"), [(2, 5), (3, 8), (4, 12)])
+def test_on_train_batch_start_return(max_epochs, batch_idx_):
+    """Lightning's loops/test_training_loop.py::test_on_train_batch_start_return:
+    -1 from the module's on_train_batch_start skips the rest of the epoch."""
+    seen = []
+
+    class SkipFrom(LitMLP):
+        def on_train_batch_start(self, batch_idx):
+            seen.append((self.trainer.current_epoch, batch_idx, self.trainer.is_last_batch))
+            if batch_idx == batch_idx_:
+                return -1
+
+    x, y = digits(160)
+    trainer = quiet_trainer(max_epochs=max_epochs)
+    trainer.fit(SkipFrom(), loader(x, y, 16))  # 10 batches an epoch
+    if batch_idx_ > trainer.num_training_batches - 1:
+        assert trainer.global_step == trainer.num_training_batches * max_epochs
+        assert trainer.is_last_batch
+    else:
+        assert trainer.global_step == batch_idx_ * max_epochs
+    assert trainer.current_epoch == max_epochs
+    assert [last for _, i, last in seen if i == 9] in ([True] * max_epochs, [])
+    assert not any(last for _, i, last in seen if i < 9)

@@ -51,6 +51,10 @@ class TrainerView(Protocol):
         (0 unless ``steps_per_execution`` runs several batches per dispatch)."""
 
     @property
+    def is_last_batch(self) -> bool:
+        """Whether this batch hook's batch is the epoch's last."""
+
+    @property
     def accumulate_grad_batches(self) -> int: ...
     @property
     def num_training_batches(self) -> int | None: ...

@@ -168,7 +168,8 @@ class FitLoop:
         progress = self.progress
         progress.start_epoch(skip)
         epoch_batches = self.pipeline.train_batches_per_epoch(loader)
-        progress.num_training_batches = self.batches_left(loader, skip)
+        progress.num_training_batches = left = self.batches_left(loader, skip)
+        progress.last_batch_idx = None if left is None else skip + left - 1
         self.validate_at_epoch_end = self.schedule.validate_at_epoch_end(epoch, epoch_batches)
         if not skip:  # a run resumed mid-epoch continues the epoch its checkpoint began
             self.hooks("on_train_epoch_start", module)
@@ -186,8 +187,10 @@ class FitLoop:
             )
             if not ends:
                 continue
-            self._train_group(module, val_loaders, epoch, group, epoch_batches)
+            skip_rest = self._train_group(module, val_loaders, epoch, group, epoch_batches)
             group = []
+            if skip_rest:
+                break
         if group:  # a loader without a length ran out
             self._train_group(module, val_loaders, epoch, group, epoch_batches)
         progress.epoch_completed = True
@@ -240,21 +243,25 @@ class FitLoop:
         epoch: int,
         group: list[tuple[int, Any]],
         epoch_batches: int | None,
-    ) -> None:
+    ) -> bool:
         """Trains ``group``'s batches in one dispatch, then runs each one's hooks
         and bookkeeping in turn (its first ``on_train_batch_start`` before the
         dispatch, as with one batch per dispatch). Reports and validations fall
-        on a group's last batch, where the state is the batch's own."""
+        on a group's last batch, where the state is the batch's own. Returns
+        whether the module's ``on_train_batch_start`` returned -1: the rest of
+        the epoch is skipped (the batches of a dispatch already run, trained)."""
         progress = self.progress
-        first_idx = group[0][0]
-        self.hooks("on_train_batch_start", module, first_idx)
+        first_idx = progress.batch_idx = group[0][0]
+        if self.hooks("on_train_batch_start", module, first_idx) == -1:
+            return True  # the module skips the rest of the epoch (Lightning's -1)
         self.program.train_group([batch for _, batch in group])
-        last = len(group) - 1
+        last, skip_rest = len(group) - 1, False
         try:
             for i, (batch_idx, batch) in enumerate(group):
                 progress.steps_ahead = last - i
-                if i:
-                    self.hooks("on_train_batch_start", module, batch_idx)
+                progress.batch_idx = batch_idx
+                if i and self.hooks("on_train_batch_start", module, batch_idx) == -1:
+                    skip_rest = True  # trained in this dispatch already: ends after it
                 progress.train_samples_seen += batch.host.real
                 updated = progress.count_micro_batch()
                 progress.position = (epoch, batch_idx + 1)
@@ -274,6 +281,7 @@ class FitLoop:
                     )
         finally:
             progress.steps_ahead = 0
+        return skip_rest
 
     def _validate_after(
         self,

@@ -45,13 +45,15 @@ class Hooks:
         self.callbacks = callbacks
         self.view = view
 
-    def __call__(self, hook: str, module: JaxModule, *args: Any) -> None:
-        """The callbacks' ``hook``, in order, then the module's (Lightning's order).
+    def __call__(self, hook: str, module: JaxModule, *args: Any) -> Any:
+        """The callbacks' ``hook``, in order, then the module's (Lightning's order);
+        returns what the module's returned (``on_train_batch_start``'s -1).
         Meanwhile the module knows which hook runs (``self.log``'s rules)."""
         with module._in_hook(hook):
             self._callbacks(hook, module, self.callbacks, *args)
             if hook in MODULE_HOOKS:
-                getattr(module, hook)(*args)
+                return getattr(module, hook)(*args)
+        return None
 
     def train_epoch_end(self, module: JaxModule) -> None:
         """``on_train_epoch_end``: the callbacks, the module, then the monitoring

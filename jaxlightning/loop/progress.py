@@ -40,6 +40,9 @@ class Progress:
         steps_ahead: how many train steps the device state is ahead of the
             batch whose hooks run (``steps_per_execution``: a dispatch runs
             several batches, whose hooks then run one by one after it).
+        batch_idx: the epoch's batch whose hooks run.
+        last_batch_idx: the epoch's last batch (``None``: unknown, a loader
+            without a length).
     """
 
     accumulate: int = 1
@@ -58,6 +61,14 @@ class Progress:
     validated: bool = False
     steps_ahead: int = 0
     data_state: dict | None = None
+    batch_idx: int = 0
+    last_batch_idx: int | None = None
+
+    @property
+    def is_last_batch(self) -> bool:
+        """Whether the batch whose hooks run is the epoch's last (Lightning's
+        ``trainer.is_last_batch``)."""
+        return self.last_batch_idx is not None and self.batch_idx >= self.last_batch_idx
 
     @property
     def log_step(self) -> int:
