@@ -389,8 +389,8 @@ def test_a_module_sees_the_trainers_loggers_while_it_runs(tmp_path):
 
 
 @pytest.mark.parametrize(("max_epochs", "batch_idx_"), [(2, 5), (3, 8), (4, 12)])
-def test_on_train_batch_start_return(max_epochs, batch_idx_):
-    """Lightning's loops/test_training_loop.py::test_on_train_batch_start_return:
+def test_on_train_batch_start_return_minus_one(max_epochs, batch_idx_):
+    """Lightning's loops/test_training_loop.py::test_on_train_batch_start_return_minus_one:
     -1 from the module's on_train_batch_start skips the rest of the epoch."""
     seen = []
 
