@@ -253,6 +253,7 @@ class Trainer:
     sanity_checking = _read("_progress", "sanity_checking", "In the sanity check's validation.")
     steps_ahead = _read("_progress", "steps_ahead", "Steps the state is ahead of this batch.")
     is_last_batch = _read("_progress", "is_last_batch", "This batch is the epoch's last.")
+    received_sigterm = _read("_stop", "received_sigterm", "This process got SIGTERM in a fit.")
     accumulate_grad_batches = _read("_progress", "accumulate", "Micro-batches per update.")
     callback_metrics = _read("_reporter", "callback_metrics", "Every reported value, by name.")
     logged_metrics = _read("_reporter", "logged_metrics", "The values last sent to loggers.")

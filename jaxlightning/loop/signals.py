@@ -14,8 +14,10 @@ class StopRequest:
     """While active, the first SIGTERM/SIGINT sets `signum` instead of killing.
 
     A second SIGINT raises `KeyboardInterrupt` at once, for when stopping
-    cleanly takes too long. Outside the main thread it does nothing (Python
-    delivers signals to the main thread only).
+    cleanly takes too long. A handler the user had installed for the signal
+    (a Python function) is called too, after this one, as Lightning composes
+    them. Outside the main thread it does nothing (Python delivers signals to
+    the main thread only).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -26,17 +28,23 @@ class StopRequest:
         self.requeue_signal: int | None = None  # SLURM's: stop, save, then requeue
         self.requeue = False
         self.forward_to_sigterm = False  # let JAX's preemption service spread it
+        self.received_sigterm = False  # this process got SIGTERM (Lightning's flag)
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if signum == signal.SIGTERM:
+            self.received_sigterm = True
         if signum == self.requeue_signal:
             self.requeue = True
             if self.forward_to_sigterm:
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
         self.signum = signum
+        previous = self._previous.get(signum)
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)  # the user's own handler, composed
 
     def __enter__(self) -> StopRequest:
         self.signum, self.requeue = None, False

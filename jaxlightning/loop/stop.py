@@ -60,6 +60,11 @@ class StopPolicy:
             yield
 
     @property
+    def received_sigterm(self) -> bool:
+        """This process received SIGTERM (during a fit of this Trainer)."""
+        return self._request.received_sigterm or self.signum == signal.SIGTERM
+
+    @property
     def requeue(self) -> bool:
         """SLURM's requeue signal reached this process: requeue after saving."""
         return self._request.requeue
