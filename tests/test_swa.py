@@ -77,7 +77,8 @@ def by_hand(lr_of_step, start, anneal, strategy="cos"):
 
 def fit(callbacks, module=None, **kw):
     module = module or sgd_module()
-    trainer = quiet_trainer(max_epochs=EPOCHS, devices=2, callbacks=callbacks, **kw)
+    kw.setdefault("max_epochs", EPOCHS)
+    trainer = quiet_trainer(devices=2, callbacks=callbacks, **kw)
     trainer.fit(module, loader(X, Y, 32))
     return module, trainer
 
@@ -145,8 +146,6 @@ def test_bad_arguments_name_themselves():
         jl.callbacks.StochasticWeightAveraging(swa_lrs=0.1, swa_epoch_start=1.5)
     with pytest.raises(ValueError, match="annealing_strategy"):
         jl.callbacks.StochasticWeightAveraging(swa_lrs=0.1, annealing_strategy="step")
-    with pytest.raises(ValueError, match="max_epochs"):
-        quiet_trainer(max_steps=3, callbacks=[swa()]).fit(sgd_module(), loader(X, Y, 32))
 
 
 def test_resume_mid_swa_is_bitwise(tmp_path, cos_run):
@@ -218,3 +217,16 @@ def test_batch_norm_statistics_are_recomputed_for_the_average():
 def test_the_swa_epochs_recompile_nothing(compiles):
     fit([swa()])
     assert compiles.matching("train_step") == 1
+
+
+def test_no_epoch_limit_averages_until_the_fit_ends(cos_run):
+    """max_epochs=-1 (Lightning accepts it): SWA runs from its start to the fit's
+    end, here max_steps at the same epoch's end, so the result is the bounded run's."""
+    callback, bounded, _ = cos_run
+    unbounded = swa()
+    module, trainer = fit([unbounded], max_epochs=-1, max_steps=EPOCHS * 3)
+    assert trainer.max_epochs is None and unbounded.swa_end == math.inf
+    assert unbounded.n_averaged == callback.n_averaged == 4
+    assert max_abs_diff(module.variables["params"], bounded.variables["params"]) == 0
+    with pytest.raises(ValueError, match=r"swa_epoch_start=0.5\) is a share of max_epochs"):
+        fit([swa(swa_epoch_start=0.5)], max_epochs=-1, max_steps=3)

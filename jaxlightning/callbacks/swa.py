@@ -9,7 +9,9 @@ host writes a few scalars into that state at each SWA epoch's start (through
 
 Lightning's schedule (its ``StochasticWeightAveraging`` with torch's ``SWALR``):
 with ``swa_start = max(swa_epoch_start - 1, 0)`` (0-based; a float start is
-``int(max_epochs * f)``) and ``swa_end = max_epochs - 1``,
+``int(max_epochs * f)``) and ``swa_end = max_epochs - 1`` (with no epoch
+limit, ``max_epochs=-1``: none, and the fit's end, by ``max_steps`` or a stop,
+is where the average is taken),
 
 - the average takes the parameters as they are at the start of every epoch
   ``swa_start..swa_end`` (``avg += (p - avg) / (n + 1)``; a copy when
@@ -241,8 +243,8 @@ class StochasticWeightAveraging(Callback):
         return self._start
 
     @property
-    def swa_end(self) -> int:
-        """The last SWA epoch (0-based): ``max_epochs - 1``."""
+    def swa_end(self) -> float:
+        """The last SWA epoch (0-based): ``max_epochs - 1`` (``inf``: no epoch limit)."""
         if self._end is None:
             raise RuntimeError("swa_end is known once fit starts")
         return self._end
@@ -269,16 +271,20 @@ class StochasticWeightAveraging(Callback):
         return optax.chain(tx, swa_transform(rate, self.avg_fn))
 
     def on_fit_start(self, trainer: TrainerView, module: JaxModule) -> None:
-        max_epochs = trainer.max_epochs
-        if max_epochs is None or max_epochs < 1:
-            raise ValueError(
-                "StochasticWeightAveraging needs Trainer(max_epochs=...): its schedule ends "
-                "at the last epoch"
-            )
+        max_epochs = trainer.max_epochs  # None: no epoch limit (max_epochs=-1)
         start = self.swa_epoch_start
         if isinstance(start, float):
+            if max_epochs is None:
+                raise ValueError(
+                    f"StochasticWeightAveraging(swa_epoch_start={start}) is a share of "
+                    "max_epochs, and this fit has no epoch limit (max_epochs=-1): give the "
+                    "epoch SWA starts at as an int"
+                )
             start = int(max_epochs * start)
-        self._start, self._end = max(start - 1, 0), max_epochs - 1
+        # Without an epoch limit SWA runs from its start to the fit's end (max_steps,
+        # a stop), where the average is taken.
+        self._start = max(start - 1, 0)
+        self._end = max_epochs - 1 if max_epochs is not None else math.inf
 
     def on_train_epoch_start(self, trainer: TrainerView, module: JaxModule) -> None:
         epoch = trainer.current_epoch
@@ -292,7 +298,10 @@ class StochasticWeightAveraging(Callback):
             )
 
     def on_train_end(self, trainer: TrainerView, module: JaxModule) -> None:
-        if trainer.current_epoch <= self.swa_end:  # stopped before the last epoch
+        if self.swa_end == math.inf:  # no epoch limit: the fit's end ends SWA
+            if trainer.current_epoch <= self.swa_start:  # it never started
+                return
+        elif trainer.current_epoch <= self.swa_end:  # stopped before the last epoch
             return
         trainer.map_state(_take_average)
         state = trainer.state
