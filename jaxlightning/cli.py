@@ -123,8 +123,8 @@ class SaveConfigCallback(Callback):
 
     A ``fit`` saves it when it starts (``on_fit_start``: after a resumed fit has
     taken over its checkpoint's run directory), ``validate``/``test``/``predict``
-    in ``setup``. A Trainer without a logger has no run directory and saves
-    nothing (Lightning's would write into ``default_root_dir``).
+    in ``setup``. A Trainer without a logger has no run directory: the file
+    goes into ``default_root_dir``, as Lightning's.
 
     Args:
         parser: the parser that read the configuration.
@@ -178,8 +178,9 @@ class SaveConfigCallback(Callback):
     def _save(self, trainer: Any, module: JaxModule, stage: str) -> None:
         if self.already_saved:
             return
-        if self.save_to_log_dir and trainer.log_dir is not None:
-            self._write(trainer.log_dir, continuing=trainer.global_step > 0)
+        if self.save_to_log_dir:
+            folder = trainer.log_dir or trainer.default_root_dir  # no logger: Lightning's
+            self._write(folder, continuing=trainer.global_step > 0)
         if distributed.is_rank_zero():
             self.save_config(trainer, module, stage)
         self.already_saved = True
@@ -427,7 +428,11 @@ class LightningCLI:
         kwargs: dict[str, Any] = {"ckpt_path": self._get(self.config_init, "ckpt_path")}
         if self.datamodule is not None:
             kwargs["datamodule"] = self.datamodule
-        self.result = getattr(self.trainer, subcommand)(self.model, **kwargs)
+        own = getattr(self, subcommand, None)
+        if callable(own):  # a subclass's method of the subcommand's name runs instead,
+            self.result = own(model=self.model, **kwargs)  # called as Lightning calls it
+        else:
+            self.result = getattr(self.trainer, subcommand)(self.model, **kwargs)
         log_dir = self.trainer.log_dir
         if subcommand == "fit" and log_dir is not None and distributed.is_rank_zero():
             print(f"TensorBoard: tensorboard --logdir {os.path.dirname(log_dir)}", flush=True)

@@ -394,3 +394,27 @@ def test_save_to_log_dir_false_error():
     # Lightning: test_save_to_log_dir_false_error.
     with pytest.raises(ValueError, match=r"save_to_log_dir=False\) saves nothing"):
         SaveConfigCallback(jl.cli.LightningArgumentParser(), {}, save_to_log_dir=False)
+
+
+def test_a_subclass_fit_method_runs_instead_of_the_trainers(tmp_path):
+    """Lightning's rule (LightningCLI._run_subcommand: ``getattr(self, subcommand,
+    trainer's)``): a subclass's own ``fit`` is what the subcommand runs, called
+    with ``model=`` and the subcommand's keyword arguments."""
+    calls = []
+
+    class MyCLI(LightningCLI):
+        def fit(self, model, **kwargs):
+            calls.append(sorted(kwargs))
+            self.trainer.fit(model, **kwargs)
+
+    cli = MyCLI(TinyModel, TinyData, args=["fit", *tiny(tmp_path, "--trainer.logger=false")])
+    assert calls == [["ckpt_path", "datamodule"]]
+    assert cli.trainer.global_step == 1
+
+
+def test_config_is_saved_into_default_root_dir_without_a_logger(tmp_path):
+    """Lightning's SaveConfigCallback writes into trainer.log_dir, which is
+    default_root_dir when there is no logger."""
+    LightningCLI(TinyModel, TinyData, args=["fit", *tiny(tmp_path, "--trainer.logger=false")])
+    config = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert config["trainer"]["max_steps"] == 1 and config["trainer"]["logger"] is False
