@@ -89,7 +89,7 @@ class DigitPixels(jl.DataModule):
 class AutoEncoderCLI(jl.cli.LightningCLI):
     def after_fit(self) -> None:
         (result,) = self.trainer.validate(self.model, datamodule=self.datamodule)
-        self.mse, self.baseline = result["val/mse"], self.datamodule.baseline
+        self.mse, self.baseline = result["mse"], self.datamodule.baseline
         print(f"Validation MSE {self.mse:.4f} (predicting the mean image: {self.baseline:.4f})")
 
 

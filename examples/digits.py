@@ -54,7 +54,7 @@ class LitDigits(jl.JaxModule):
     def loss(self, variables, batch, rngs):
         x, y = batch
         logits = self.net.apply(variables, x, train=True, rngs=rngs)
-        self.log("acc", logits.argmax(-1) == y)
+        self.log("train_acc", logits.argmax(-1) == y)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y)
 
     def eval_step(self, variables, batch):
@@ -116,9 +116,9 @@ class DigitsCLI(jl.cli.LightningCLI):
 
     def after_fit(self) -> None:
         (result,) = self.trainer.validate(self.model, datamodule=self.datamodule)
-        self.accuracy = result["val/acc"]
+        self.accuracy = result["acc"]
         self.say(
-            f"Final validation accuracy: {result['val/acc']:.4f} (loss {result['val/loss']:.4f})"
+            f"Final validation accuracy: {result['acc']:.4f} (loss {result['loss']:.4f})"
         )
 
     def say(self, text: str) -> None:

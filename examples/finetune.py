@@ -73,7 +73,7 @@ class Classifier(jl.JaxModule):
     def loss(self, variables, batch, rngs):
         x, y = batch
         logits = self._logits(variables["params"], x)
-        self.log("acc", logits.argmax(-1) == y, prog_bar=True)
+        self.log("train_acc", logits.argmax(-1) == y, prog_bar=True)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y)
 
     def eval_step(self, variables, batch):
@@ -128,7 +128,7 @@ class FinetuneCLI(jl.cli.LightningCLI):
 
     def after_fit(self) -> None:
         (result,) = self.trainer.validate(self.model, datamodule=self.datamodule)
-        self.accuracy = result["val/acc"]
+        self.accuracy = result["acc"]
         print(f"Fine-tuned validation accuracy on 5-9: {self.accuracy:.4f}")
 
 

@@ -235,7 +235,7 @@ class GptCLI(jl.cli.LightningCLI):
 
     def after_fit(self) -> None:
         (result,) = self.trainer.validate(self.model, datamodule=self.datamodule)
-        self.loss = result["val/loss"]
+        self.loss = result["loss"]
         print(f"Final validation loss: {self.loss:.4f} (the chain's entropy: {ENTROPY:.4f})")
 
 

@@ -75,7 +75,7 @@ class LitResNet(jl.JaxModule):
         logits, updates = self.net.apply(
             variables, x, train=True, rngs=rngs, mutable=["batch_stats"]
         )
-        self.log("acc", logits.argmax(-1) == y, prog_bar=True)
+        self.log("train_acc", logits.argmax(-1) == y, prog_bar=True)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y), updates
 
     def eval_step(self, variables, batch):
@@ -134,7 +134,7 @@ class DigitImages(jl.DataModule):
 class ResNetCLI(jl.cli.LightningCLI):
     def after_fit(self) -> None:
         (result,) = self.trainer.validate(self.model, datamodule=self.datamodule)
-        self.accuracy = result["val/acc"]
+        self.accuracy = result["acc"]
         print(f"Validation accuracy: {self.accuracy:.4f}")
 
 

@@ -3,7 +3,7 @@
 
     python train.py fit --trainer.max_epochs 3 --model.lr 1e-3 --seed_everything 7
     python train.py fit --config cfg.yaml --trainer.callbacks+=EarlyStopping \\
-        --trainer.callbacks.monitor val/loss
+        --trainer.callbacks.monitor loss
     python train.py fit --print_config > cfg.yaml
     python train.py validate --config cfg.yaml --ckpt_path last
 

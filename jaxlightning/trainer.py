@@ -60,7 +60,7 @@ class Trainer:
         ```python
         trainer = jl.Trainer(max_epochs=10)
         trainer.fit(LitDigits(), train_loader, val_loader)
-        trainer.validate(model, val_loader)  # [{"val/acc": 0.97, ...}]
+        trainer.validate(model, val_loader)  # [{"acc": 0.97, ...}]: names as logged
         ```
 
     Args:
@@ -185,6 +185,13 @@ class Trainer:
             (a `ModelSummary` callback) unless ``callbacks`` has one.
         profiler: ``"jax"`` records a ``jax.profiler`` trace of a few steps into
             the run directory (a `JaxProfiler` callback), for TensorBoard.
+        stage_prefix: report names logged in traced steps with their stage,
+            ``train/<name>``, ``val/<name>``, ``test/<name>`` (TensorBoard then
+            groups them by stage; a name that already says its stage, such as
+            ``val_loss``, stays). Default: names exactly as logged, Lightning's
+            rule, so Lightning's ``monitor=`` strings work unchanged. The
+            Trainer's own values are always ``train/loss`` (and
+            ``train/grad_norm``, ``train/skipped_updates``, ...).
     """
 
     def __init__(
@@ -228,6 +235,7 @@ class Trainer:
         compilation_cache_dir: str | os.PathLike[str] | None = None,
         enable_model_summary: bool = True,
         profiler: str | None = None,
+        stage_prefix: bool = False,
     ) -> None:
         parts = wire(self, self._resolve_ckpt_path, **_arguments(locals()))
         self.fast_dev_run, self.schedule = parts.fast_dev_run, parts.schedule
@@ -537,7 +545,7 @@ class Trainer:
         ckpt_path: Any = None,
     ) -> list[dict[str, float]]:
         """Evaluates ``module`` (its ``validation_step``, else ``eval_step``);
-        returns ``[{"val/...": v}]``, one dict per loader.
+        returns ``[{name: value}]`` (names as logged), one dict per loader.
 
         Uses the module's trained variables, or those of ``ckpt_path``
         (``"last"``, ``"best"`` or a checkpoint folder), which it then keeps.

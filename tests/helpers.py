@@ -120,7 +120,10 @@ def np_cross_entropy(logits, y) -> np.ndarray:
 def quiet_trainer(**kwargs) -> jl.Trainer:
     """A Trainer with no bar, logger or summary, and no checkpoints unless
     ``callbacks`` has a `ModelCheckpoint` (Lightning refuses one with
-    ``enable_checkpointing=False``)."""
+    ``enable_checkpointing=False``). Names logged in traced steps carry their
+    stage (``stage_prefix=True``: ``train/acc`` and ``val/acc`` stay apart in
+    tests of other features); tests of naming, and the translations of
+    Lightning's tests, pass ``stage_prefix=False`` (the default of `Trainer`)."""
     callbacks = kwargs.get("callbacks") or []
     callbacks = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
     kwargs.setdefault("enable_progress_bar", False)
@@ -129,6 +132,7 @@ def quiet_trainer(**kwargs) -> jl.Trainer:
         "enable_checkpointing", any(isinstance(c, jl.ModelCheckpoint) for c in callbacks)
     )
     kwargs.setdefault("enable_model_summary", False)
+    kwargs.setdefault("stage_prefix", True)
     return jl.Trainer(**kwargs)
 
 

@@ -197,7 +197,11 @@ def test_save_top_k_keeps_exactly_the_two_best(tmp_path):
     x, y = digits(200)
     ckpt = jl.ModelCheckpoint(monitor="val/acc", mode="max", save_top_k=2, save_last=False)
     trainer = jl.Trainer(
-        max_epochs=6, default_root_dir=tmp_path, enable_progress_bar=False, callbacks=[ckpt]
+        max_epochs=6,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        callbacks=[ckpt],
+        stage_prefix=True,
     )
     trainer.fit(LitMLP(hidden=8, lr=2e-3), loader(x, y, 32), loader(*digits(97, 1000), 32))
     logged = scalars(trainer.log_dir)["val/acc"]

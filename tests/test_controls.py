@@ -108,6 +108,7 @@ def test_val_check_interval_fraction_validates_four_times_per_epoch(tmp_path):
         enable_checkpointing=False,
         num_sanity_val_steps=0,
         callbacks=[count],
+        stage_prefix=True,
     )
     trainer.fit(LitMLP(), loader(x, y, 8), loader(x, y, 32))
     assert count.val_ends == [2, 4, 6, 8, 10, 12, 14, 16]

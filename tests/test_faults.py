@@ -111,15 +111,32 @@ def test_progress_bar_keeps_metrics_at_the_start_of_each_epoch(tmp_path, capsys)
     assert "train/loss=" in first_of_epoch_1, first_of_epoch_1
 
 
-def test_logging_the_reserved_name_loss_in_loss_raises():
-    class LogsLoss(LitMLP):
-        def loss(self, variables, batch, rngs):
-            per_example = super().loss(variables, batch, rngs)
-            self.log("loss", per_example)
-            return per_example
+def test_logging_the_trainers_own_name_in_loss_raises_and_loss_is_free():
+    """Lightning code logs 'loss' in its training step: that works; only the
+    name the Trainer reports the returned loss under is reserved."""
 
-    with pytest.raises(ValueError, match=r"self.log\('loss', ...\) inside loss\(\)"):
-        quiet_trainer(max_steps=1).fit(LogsLoss(), loader(*digits(16), 8))
+    def logs(name):
+        class LogsLoss(LitMLP):
+            def loss(self, variables, batch, rngs):
+                per_example = super().loss(variables, batch, rngs)
+                self.log(name, per_example)
+                return per_example
+
+        return LogsLoss()
+
+    with pytest.raises(ValueError, match=r"self.log\('train/loss', ...\) in loss\(\)"):
+        quiet_trainer(max_steps=1).fit(logs("train/loss"), loader(*digits(16), 8))
+    trainer = jl.Trainer(
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
+    trainer.fit(logs("loss"), loader(*digits(16), 8))
+    metrics = trainer.callback_metrics
+    assert float(metrics["loss"]) == float(metrics["train/loss"])  # the same mean
 
 
 @pytest.mark.parametrize(
@@ -166,7 +183,7 @@ def test_logged_names_that_change_between_traces_are_named():
 
     x, y = digits(24)
     batches = [(x[:8], y[:8]), (x[8:24], y[8:24])]  # the second is larger: traced again
-    changed = r"loss\(\) logged \['acc', 'loss'\] in this trace but"
+    changed = r"loss\(\) logged \['acc', 'train/loss'\] in this trace but"
     with (
         pytest.raises(ValueError, match=changed),
         pytest.warns(UserWarning, match="larger than the fixed batch size"),

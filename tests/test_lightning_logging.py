@@ -11,6 +11,7 @@ import csv
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxlightning as jl
@@ -245,7 +246,7 @@ def test_sum_of_a_scalar_is_independent_of_the_device_count():
     )  # fmt: skip
     module = Logs(train=lambda m: m.log("ones", 1.0, on_step=False, on_epoch=True, reduce_fx="sum"))
     one.fit(module, loader(X, Y, 2))
-    assert one.callback_metrics["train/ones"] == 3
+    assert one.callback_metrics["ones"] == 3  # as logged, Lightning's name
 
 
 def test_optax_is_untouched_by_logging():
@@ -263,3 +264,58 @@ def test_optax_is_untouched_by_logging():
         jax.tree.leaves(plain.variables), jax.tree.leaves(logged.variables), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+class Named(LitMLP):
+    """Logs Lightning-style names: ``train_acc`` in training, ``val_loss`` and
+    ``val_acc`` in evaluation."""
+
+    def loss(self, variables, batch, rngs):
+        logits = self.net.apply(variables, batch[0])
+        self.log("train_acc", logits.argmax(-1) == batch[1])
+        return super().loss(variables, batch, rngs)
+
+    def eval_step(self, variables, batch):
+        x, y = batch
+        logits = self.net.apply(variables, x)
+        self.log("val_loss", optax.softmax_cross_entropy_with_integer_labels(logits, y))
+        self.log("val_acc", logits.argmax(-1) == y)
+
+
+def _named_fit(tmp_path, **kwargs):
+    checkpoint = jl.ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1)
+    stopping = jl.EarlyStopping(monitor="val_acc", mode="max", patience=10)
+    trainer = jl.Trainer(
+        max_epochs=2, enable_progress_bar=False, logger=False, enable_model_summary=False,
+        callbacks=[checkpoint, stopping], log_every_n_steps=1, **kwargs,
+    )  # fmt: skip
+    trainer.fit(Named(), loader(X, Y, 16), loader(X[:32], Y[:32], 16))
+    return trainer, checkpoint
+
+
+def test_names_are_reported_as_logged_and_lightning_monitors_work_unchanged(tmp_path):
+    """Lightning's rule (no stage prefix added): ModelCheckpoint(monitor="val_loss")
+    and EarlyStopping(monitor="val_acc") from a Lightning script find their values;
+    the Trainer adds train/loss, what loss() returns."""
+    trainer, checkpoint = _named_fit(tmp_path)
+    assert {"train_acc", "val_loss", "val_acc", "train/loss"} <= set(trainer.callback_metrics)
+    assert not any(k.startswith(("val/", "test/")) for k in trainer.callback_metrics)
+    assert checkpoint.best_model_score == pytest.approx(trainer.callback_metrics["val_loss"])
+    (result,) = trainer.validate(Named(), loader(X[:32], Y[:32], 16), ckpt_path="best")
+    assert set(result) == {"val_loss", "val_acc"}
+
+
+def test_stage_prefix_groups_names_by_stage(tmp_path):
+    """Trainer(stage_prefix=True): train/, val/, test/ before a name that does not
+    carry its stage already (val_loss stays)."""
+    trainer = jl.Trainer(
+        max_epochs=1, enable_progress_bar=False, logger=False, enable_model_summary=False,
+        enable_checkpointing=False, log_every_n_steps=1, stage_prefix=True,
+    )  # fmt: skip
+    module = Logs(train=lambda m: m.log("foo", 1.0), val=lambda m: m.log("bar", 2.0))
+    trainer.fit(module, loader(X, Y, 16), loader(X[:16], Y[:16], 16))
+    assert {"train/foo", "train/acc", "val/bar", "val/acc", "val/loss"} <= set(
+        trainer.callback_metrics
+    )
+    (tested,) = trainer.test(module, loader(X[:16], Y[:16], 16))
+    assert set(tested) == {"test/bar", "test/acc", "test/loss"}

@@ -82,7 +82,7 @@ class Digits(jl.DataModule):
 
 def test_test_and_predict_with_best_checkpoint_without_the_module(tmp_path):
     # trainer/test_trainer.py::test_tested_checkpoint_path ("best", model not passed)
-    checkpoint = jl.ModelCheckpoint(monitor="val/acc", mode="max")
+    checkpoint = jl.ModelCheckpoint(monitor="acc", mode="max")
     trainer = jl.Trainer(
         max_epochs=2, default_root_dir=tmp_path, callbacks=[checkpoint],
         enable_progress_bar=False, logger=False, enable_model_summary=False,
@@ -93,7 +93,7 @@ def test_test_and_predict_with_best_checkpoint_without_the_module(tmp_path):
     (results,) = trainer.test(ckpt_path="best", datamodule=dm)
     best = WithForward.load_from_checkpoint(checkpoint.best_model_path)
     logits = np_logits(best.variables["params"], VX)
-    assert results["test/acc"] == pytest.approx(float(np.mean(logits.argmax(-1) == VY)))
+    assert results["acc"] == pytest.approx(float(np.mean(logits.argmax(-1) == VY)))
     out = trainer.predict(ckpt_path="best", datamodule=dm)
     np.testing.assert_allclose(out["logits"], logits, rtol=1e-4, atol=1e-4)
 

@@ -18,6 +18,7 @@ def run(tmp_path_factory):
     x, y = digits(203)  # 7 steps per epoch
     recorder = Recorder()
     trainer = jl.Trainer(
+        stage_prefix=True,  # TensorBoard groups the names by stage
         max_epochs=3,
         log_every_n_steps=5,
         default_root_dir=root,
@@ -26,7 +27,9 @@ def run(tmp_path_factory):
     )
     model = LitMLP(hidden=16, lr=3e-3)
     trainer.fit(model, loader(x, y, 32), loader(x[:50], y[:50], 32))
-    second = jl.Trainer(max_steps=1, default_root_dir=root, enable_progress_bar=False)
+    second = jl.Trainer(
+        stage_prefix=True, max_steps=1, default_root_dir=root, enable_progress_bar=False
+    )
     second.fit(LitMLP(hidden=16), loader(x, y, 32))
     events = EventAccumulator(trainer.log_dir)
     events.Reload()
@@ -128,7 +131,13 @@ def test_progress_bar_shows_epochs_and_only_prog_bar_metrics(tmp_path, capsys):
             self.log("acc", self.net.apply(variables, x).argmax(-1) == y, prog_bar=True)
 
     x, y = digits(96)
-    trainer = jl.Trainer(max_epochs=2, log_every_n_steps=1, logger=False, default_root_dir=tmp_path)
+    trainer = jl.Trainer(
+        stage_prefix=True,
+        max_epochs=2,
+        log_every_n_steps=1,
+        logger=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(BarAcc(hidden=16), loader(x, y, 32), loader(x, y, 32))
     err = capsys.readouterr().err
     assert "Epoch 0" in err and "Epoch 1" in err and "Validation" in err
@@ -167,7 +176,11 @@ def _points_per_file(run_dir):
 def test_fit_validate_and_test_in_quick_succession_lose_no_values(tmp_path):
     x, y = digits(96)  # 3 steps per epoch
     trainer = jl.Trainer(
-        max_epochs=2, log_every_n_steps=1, default_root_dir=tmp_path, enable_progress_bar=False
+        max_epochs=2,
+        log_every_n_steps=1,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        stage_prefix=True,
     )
     model = LitMLP(hidden=8)
     val = loader(*digits(32, 1000), 16)
@@ -193,6 +206,7 @@ def test_validate_called_by_a_callback_mid_fit_loses_no_train_values(tmp_path):
         enable_checkpointing=False,
         num_sanity_val_steps=0,
         callbacks=[ValidateEveryStep()],
+        stage_prefix=True,
     )
     trainer.fit(LitMLP(hidden=8), loader(*digits(240), 8))
     points, _ = _points_per_file(trainer.log_dir)

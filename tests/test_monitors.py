@@ -43,14 +43,16 @@ def test_timer_measures_stages_and_stops_after_its_duration():
 
 
 def test_throughput_monitor_logs_rates_and_compile_time():
-    trainer = quiet_trainer(
-        max_epochs=1, log_every_n_steps=2, callbacks=[jl.callbacks.ThroughputMonitor()]
-    )
+    # Lightning's required batch_size_fn is accepted (rows are counted exactly anyway)
+    monitor = jl.callbacks.ThroughputMonitor(batch_size_fn=lambda batch: len(batch[0]))
+    trainer = quiet_trainer(max_epochs=1, log_every_n_steps=2, callbacks=[monitor])
     trainer.fit(LitMLP(), loader(*digits(64), 8))
     m = trainer.callback_metrics
     assert m["throughput/samples_per_sec"] > 0 and m["throughput/step_time"] > 0
     assert m["throughput/compile_time"] > 0  # the train step compiled in this fit
     assert trainer.train_samples_seen == 64
+    with pytest.raises(ValueError, match=r"ThroughputMonitor\(length_fn=...\): items per second"):
+        jl.callbacks.ThroughputMonitor(batch_size_fn=len, length_fn=len)
 
 
 def test_train_step_cost_is_xlas_count_of_one_device_step(capsys):

@@ -51,7 +51,7 @@ class ModelCheckpoint(Callback):
             logger's run directory, e.g. ``lightning_logs/version_0/checkpoints``,
             or in ``default_root_dir`` without a logger).
         monitor: a metric name from ``trainer.callback_metrics`` to rank by,
-            e.g. ``"val/acc"``; ``"epoch"`` and ``"step"`` are always there.
+            e.g. ``"val_acc"``; ``"epoch"`` and ``"step"`` are always there.
             ``None`` ranks by recency. A NaN value counts as the worst (``inf``
             with ``mode="min"``, ``-inf`` with ``"max"``).
         mode: ``"min"`` or ``"max"``: which scores are better.

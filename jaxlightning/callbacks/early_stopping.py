@@ -55,7 +55,7 @@ class EarlyStopping(Callback):
     check needs ``strict=False``.
 
     Args:
-        monitor: a name in ``trainer.callback_metrics``, e.g. ``"val/loss"``.
+        monitor: a name in ``trainer.callback_metrics``, e.g. ``"val_loss"``.
         min_delta: the least change that counts as an improvement.
         patience: checks without improvement before stopping.
         verbose: print each improvement and why it stops.

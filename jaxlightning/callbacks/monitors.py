@@ -247,10 +247,27 @@ class ThroughputMonitor(Callback):
     peak FLOP/s — no FLOPs to count by hand.
 
     Args:
+        batch_size_fn: Lightning's way to count a batch's samples; accepted for
+            its signature and not needed: the Trainer counts the real rows of
+            every batch itself (padding excluded).
+        length_fn: Lightning's per-sample length for items/s: not supported
+            (callbacks here do not receive the batch); refused with a message.
         peak_flops: one device's peak FLOP/s for the MFU (``None``: from the table).
     """
 
-    def __init__(self, peak_flops: float | None = None) -> None:
+    def __init__(
+        self,
+        batch_size_fn: Any = None,
+        length_fn: Any = None,
+        *,
+        peak_flops: float | None = None,
+    ) -> None:
+        if length_fn is not None:
+            raise ValueError(
+                "ThroughputMonitor(length_fn=...): items per second are not supported here "
+                "(callbacks do not receive the batch); samples/s and FLOPs/MFU are logged"
+            )
+        self.batch_size_fn = batch_size_fn
         self.peak_flops = peak_flops
         self._step_flops: float | None = None
         self._compile = 0.0

@@ -134,7 +134,7 @@ class EvalLoop:
         with self.reporter.collecting_host_logs() as host_logged:
             self.hooks(f"on_{stage}_start", module)
             self.hooks(f"on_{stage}_epoch_start", module)
-            prefix = _STAGE_PREFIX[stage]
+            prefix = self.reporter.prefix(_STAGE_PREFIX[stage])
             results, everything = [], Report()
             for i, loader in enumerate(loaders):
                 suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""

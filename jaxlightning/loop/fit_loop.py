@@ -342,7 +342,8 @@ class FitLoop:
         acc = self.program.fetch_metrics()
         if self.guard is not None and self.guard.rolled_back(acc):
             return  # the interval's values went with its state
-        values = report("train", self.program.train_options, acc.metrics, "step")
+        options, prefix = self.program.train_options, self.reporter.prefix("train")
+        values = report(prefix, options, acc.metrics, "step")
         self.reporter.publish(values)
         self.program.reset_interval(acc)
         if self.guard is not None:
@@ -360,8 +361,9 @@ class FitLoop:
         if self.guard is not None and self.guard.rolled_back(acc):
             acc = self.program.fetch_metrics()  # the good point's
         options = self.program.train_options
-        values = report("train", options, acc.metrics, "step")
-        values.update(report("train", options, acc.epoch, "epoch"))
+        prefix = self.reporter.prefix("train")
+        values = report(prefix, options, acc.metrics, "step")
+        values.update(report(prefix, options, acc.epoch, "epoch"))
         self.reporter.publish(values)
         if self.progress.epoch_completed:
             self.program.reset_epoch()

@@ -22,9 +22,13 @@ from jaxlightning.metrics.logged import LogOptions, host_value
 _STAGE_WORDS = {"train": ("train",), "val": ("val", "valid", "validation"), "test": ("test",)}
 
 
-def full_name(prefix: str, name: str) -> str:
-    """``prefix/name`` (``train/acc``), or ``name`` as written when it already
-    carries its stage (``val_loss``, ``val/acc``), as in Lightning scripts."""
+def full_name(prefix: str | None, name: str) -> str:
+    """The name a logged value is reported under: as logged (``prefix=None``,
+    Lightning's rule, the default), or ``prefix/name`` (``train/acc``) under
+    ``Trainer(stage_prefix=True)``, where a name that already carries its stage
+    (``val_loss``, ``val/acc``) stays as written."""
+    if prefix is None:
+        return name
     for word in _STAGE_WORDS.get(prefix, (prefix,)):
         if name.startswith((word + "_", word + "/")):
             return name
@@ -47,7 +51,7 @@ class Report:
 
 
 def report(
-    prefix: str,
+    prefix: str | None,
     options: Mapping[str, LogOptions],
     metrics: Mapping[str, Any],
     level: str,
@@ -99,11 +103,16 @@ class Reporter:
     Args:
         loggers: every logged value goes to each, at the run's current step.
         progress: the run's position (the step and epoch values are logged at).
+        stage_prefix: report names logged in traced hooks as ``train/<name>``,
+            ``val/<name>``, ``test/<name>`` (else as logged, Lightning's rule).
     """
 
-    def __init__(self, loggers: list[Logger], progress: Progress) -> None:
+    def __init__(
+        self, loggers: list[Logger], progress: Progress, stage_prefix: bool = False
+    ) -> None:
         self.loggers = loggers
         self.progress = progress
+        self.stage_prefix = stage_prefix
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
@@ -113,6 +122,11 @@ class Reporter:
     def reset(self) -> None:
         """Forgets every reported value (a Trainer call starts, as in Lightning)."""
         self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
+
+    def prefix(self, stage: str) -> str | None:
+        """The prefix names logged in ``stage`` (``"train"``, ``"val"``,
+        ``"test"``) are reported with: ``None`` (as logged) by default."""
+        return stage if self.stage_prefix else None
 
     @property
     def logger(self) -> Logger | None:

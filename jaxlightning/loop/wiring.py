@@ -118,7 +118,7 @@ def wire(view: Any, resolve_ckpt_path: Callable[[Any], str], **args: Any) -> Par
     )
 
     progress = Progress(accumulate=options.accumulate_grad_batches)
-    reporter = Reporter(as_loggers(logger), progress)
+    reporter = Reporter(as_loggers(logger), progress, stage_prefix=bool(args["stage_prefix"]))
     stop = StopPolicy(schedule, progress)
     hooks = Hooks(callbacks, view)
     pipeline = Pipeline(

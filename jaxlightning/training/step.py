@@ -111,10 +111,14 @@ Options = dict[str, LogOptions]
 LOSS_OPTIONS = LogOptions(on_step=True, on_epoch=False, prog_bar=True)
 GRAD_NORM_OPTIONS = LogOptions(on_step=True, on_epoch=False)
 # Under on_nonfinite="skip": the updates skipped in each logging interval.
-SKIPPED = "skipped_updates"
+# The Trainer's own training values carry their full names (user names are
+# reported as logged, or with a stage prefix under Trainer(stage_prefix=True)).
+LOSS = "train/loss"
+GRAD_NORM = "train/grad_norm"
+SKIPPED = "train/skipped_updates"
 SKIPPED_OPTIONS = LogOptions(on_step=True, on_epoch=False, reduce_fx="sum")
 # Under on_nonfinite="rollback": the largest step loss of each logging interval.
-LOSS_MAX = "loss_max"
+LOSS_MAX = "train/loss_max"
 LOSS_MAX_OPTIONS = LogOptions(on_step=True, on_epoch=False, reduce_fx="max")
 
 
@@ -123,7 +127,7 @@ class TrainMetrics:
     """What train steps accumulate.
 
     Attributes:
-        metrics: logged values by name since the last report, ``"loss"`` among
+        metrics: logged values by name since the last report, ``"train/loss"`` among
             them (reset at each report and at each epoch's end).
         epoch: the values of names logged with ``on_epoch=True``, since the
             epoch began (reset at its end).
@@ -287,7 +291,7 @@ def zero_train_metrics(
     module: JaxModule, state: TrainState, batch: Any, tx: Any, options: StepOptions = StepOptions()
 ) -> tuple[TrainMetrics, Options]:
     """An empty `TrainMetrics` for ``module``'s logs (``batch``: one device's
-    shard), and the options of every name, ``"loss"`` included."""
+    shard), and the options of every name, ``"train/loss"`` included."""
     rngs = {s: state.rng for s in module._streams()}
     if is_manual(module):
 
@@ -298,9 +302,9 @@ def zero_train_metrics(
         logged = _logged_names(module, "training_step", state, batch, rngs, call=manual)
     else:
         logged = _logged_names(module, "loss", state.variables, batch, rngs, call=module._call_loss)
-        logged["loss"] = LOSS_OPTIONS
+        logged[LOSS] = LOSS_OPTIONS
         if options.log_grad_norm:
-            logged["grad_norm"] = GRAD_NORM_OPTIONS
+            logged[GRAD_NORM] = GRAD_NORM_OPTIONS
         if options.on_nonfinite == "rollback":
             logged[LOSS_MAX] = LOSS_MAX_OPTIONS
     if options.skip_nonfinite:
@@ -416,7 +420,7 @@ def build_train_parts(
                 out = module._call_loss(variables, for_compute(batch, options.precision), rngs)
             total, count, updates = loss_terms(out, state.model_state, mask)
             metrics = _logged_metrics(logged, mask)
-            metrics["loss"] = Average(total=total, count=count)
+            metrics[LOSS] = Average(total=total, count=count)
             scaled = total if scale is None else total * scale
             return scaled, (metrics, updates)
 
@@ -432,13 +436,13 @@ def build_train_parts(
         return grads, updates, metrics
 
     def jl_apply(state, acc, grads, updates, metrics):
-        n_real = metrics["loss"].count
-        finite = jnp.isfinite(metrics["loss"].total)
+        n_real = metrics[LOSS].count
+        finite = jnp.isfinite(metrics[LOSS].total)
         if options.skip_nonfinite:
             finite = finite & all_finite(grads)
         if options.on_nonfinite == "rollback":  # this (micro-)batch's loss, for the spike rule
             seen = n_real > 0
-            loss = jnp.where(seen, metrics["loss"].total / jnp.maximum(n_real, 1), -jnp.inf)
+            loss = jnp.where(seen, metrics[LOSS].total / jnp.maximum(n_real, 1), -jnp.inf)
             metrics[LOSS_MAX] = Extreme(
                 value=loss.astype(jnp.float32), count=seen.astype(jnp.int32), op="max"
             )
@@ -461,11 +465,11 @@ def build_train_parts(
         grads = jax.tree.map(lambda g: g / divisor, grads)
         if options.log_grad_norm:  # the same on every device: counts once per step
             norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-            metrics["grad_norm"] = Average(
+            metrics[GRAD_NORM] = Average(
                 total=norm.astype(jnp.float32), count=jnp.ones((), jnp.int32)
             )
         # the loss of the global batch, the same on every device
-        value = metrics["loss"].total / n_real
+        value = metrics[LOSS].total / n_real
         new_state = state.apply_gradients(tx, grads, updates, value=value)
         if options.skip_nonfinite:
             new_state = keep_if(finite, new_state, state)
