@@ -517,7 +517,7 @@ class Trainer:
                     resume.load_states(self._hooks, self.datamodule, module, meta)
                 self._stop.reset()
                 self._progress.position = (self.current_epoch, skip)
-                _ = self.log_dir  # fixes the run directory on every process at once
+                self._reporter.fix_run_dirs()  # on every process at once
                 self._fit_loop.run(module, train, val, batches, skip)
             self._hand_back(module)
             if training:
@@ -587,7 +587,7 @@ class Trainer:
         with self._stage("validate" if stage == "validation" else stage, module, datamodule):
             dataloaders = as_eval_loaders(stage_loaders(stage, dataloaders, datamodule))
             checks.module_hooks(module, eval_hook(module, stage))
-            _ = self.log_dir  # fixes the run directory on every process at once
+            self._reporter.fix_run_dirs()  # on every process at once
             return self._evaluation.run(stage, module, dataloaders, ckpt_path)
 
     def predict(

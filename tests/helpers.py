@@ -136,6 +136,12 @@ def quiet_trainer(**kwargs) -> jl.Trainer:
     return jl.Trainer(**kwargs)
 
 
+def lightning_trainer(**kwargs) -> jl.Trainer:
+    """`quiet_trainer` with names reported as logged (the Trainer's default,
+    Lightning's rule): for the translations of Lightning's own tests."""
+    return quiet_trainer(**{"stage_prefix": False, **kwargs})
+
+
 def max_abs_diff(a, b) -> float:
     return max(
         float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64))))
@@ -223,6 +229,7 @@ def bucket_fit(root, *, max_steps=-1, ckpt_path=None, logger=True) -> jl.Trainer
     vx, vy = digits(45, offset=1000)
     checkpoint = jl.ModelCheckpoint(monitor="val/loss", save_top_k=2)
     trainer = jl.Trainer(
+        stage_prefix=True,  # train/acc and val/acc apart (TensorBoard tags checked)
         max_epochs=3,
         max_steps=max_steps,
         default_root_dir=root,

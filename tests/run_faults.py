@@ -43,6 +43,7 @@ def main() -> None:
 
     def trainer():
         return jl.Trainer(
+            stage_prefix=True,  # train/acc and val/acc apart (TensorBoard tags checked)
             max_epochs=1,
             default_root_dir=root,
             enable_progress_bar=False,

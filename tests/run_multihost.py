@@ -81,6 +81,7 @@ def main(argv=None) -> None:
 
     def make_trainer(root):
         return jl.Trainer(
+            stage_prefix=True,  # train/acc and val/acc apart (TensorBoard tags checked)
             max_epochs=args.epochs,
             default_root_dir=root,
             log_every_n_steps=args.log_every,
@@ -155,6 +156,7 @@ def main(argv=None) -> None:
         return
 
     trainer = jl.Trainer(
+        stage_prefix=True,  # train/acc and val/acc apart (TensorBoard tags checked)
         max_epochs=args.epochs,
         default_root_dir=args.root,
         log_every_n_steps=args.log_every,

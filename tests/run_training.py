@@ -82,6 +82,7 @@ def main() -> None:
     x, y = digits(200)  # 7 batches of 32 per epoch, the last of 8 rows
     checkpoint = jl.ModelCheckpoint(args.dirpath, every_n_train_steps=args.every_n_train_steps)
     trainer = jl.Trainer(
+        stage_prefix=True,  # train/acc and val/acc apart (TensorBoard tags checked)
         max_steps=args.max_steps,
         devices=args.devices,
         default_root_dir=args.root,

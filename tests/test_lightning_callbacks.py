@@ -17,7 +17,7 @@ import pytest
 
 import jaxlightning as jl
 from jaxlightning.callbacks.early_stopping import EarlyStoppingReason
-from tests.helpers import LitMLP, digits, loader, quiet_trainer
+from tests.helpers import LitMLP, digits, lightning_trainer, loader
 
 X, Y = digits(16)
 
@@ -90,7 +90,7 @@ PATIENCE_CASES = [
 @pytest.mark.parametrize(("loss_values", "patience", "expected_stop_epoch"), PATIENCE_CASES)
 def test_patience_counts_checks_after_validation(loss_values, patience, expected_stop_epoch):
     stopper = jl.EarlyStopping(monitor="test_val_loss", patience=patience)
-    trainer = quiet_trainer(max_epochs=10, num_sanity_val_steps=0, callbacks=[stopper])
+    trainer = lightning_trainer(max_epochs=10, num_sanity_val_steps=0, callbacks=[stopper])
     trainer.fit(Scripted({"test_val_loss": loss_values}), one_batch(), one_batch())
     assert trainer.current_epoch - 1 == expected_stop_epoch
     assert stopper.stopped_epoch == expected_stop_epoch
@@ -109,7 +109,7 @@ def test_patience_counts_checks_at_train_epoch_ends(
 ):
     flag = True if validation else None
     stopper = jl.EarlyStopping("train_loss", patience=patience, check_on_train_epoch_end=flag)
-    trainer = quiet_trainer(max_epochs=10, num_sanity_val_steps=0, callbacks=[stopper])
+    trainer = lightning_trainer(max_epochs=10, num_sanity_val_steps=0, callbacks=[stopper])
     val = one_batch() if validation else None
     trainer.fit(Scripted({"train_loss": loss_values}, on_train=True), one_batch(), val)
     assert trainer.current_epoch - 1 == expected_stop_epoch
@@ -131,7 +131,7 @@ def test_thresholds_stop_at_once(stopping_threshold, divergence_threshold, losse
         stopping_threshold=stopping_threshold,
         divergence_threshold=divergence_threshold,
     )
-    trainer = quiet_trainer(max_epochs=20, callbacks=[stopper])
+    trainer = lightning_trainer(max_epochs=20, callbacks=[stopper])
     trainer.fit(Scripted({"abc": losses}), one_batch(), one_batch())
     assert trainer.current_epoch - 1 == expected_epoch
 
@@ -140,7 +140,7 @@ def test_thresholds_stop_at_once(stopping_threshold, divergence_threshold, losse
 @pytest.mark.parametrize("stop_value", [math.inf, math.nan])
 def test_a_non_finite_value_stops(stop_value):
     stopper = jl.EarlyStopping(monitor="val_loss", check_finite=True)
-    trainer = quiet_trainer(max_epochs=10, callbacks=[stopper])
+    trainer = lightning_trainer(max_epochs=10, callbacks=[stopper])
     trainer.fit(Scripted({"val_loss": [4, 3, stop_value, 2, 1]}), one_batch(), one_batch())
     assert trainer.current_epoch - 1 == 2
     assert stopper.stopped_epoch == 2
@@ -167,7 +167,7 @@ def test_a_stop_waits_for_min_epochs_and_min_steps(
     limit_train_batches, min_epochs, min_steps, stop_step
 ):
     stopper = jl.EarlyStopping("train/loss", stopping_threshold=math.inf)
-    trainer = quiet_trainer(
+    trainer = lightning_trainer(
         max_epochs=10,
         limit_train_batches=limit_train_batches,
         min_epochs=min_epochs,
@@ -197,7 +197,7 @@ def test_several_early_stoppings_any_one_stops(first, on_train):
         "cba": jl.EarlyStopping("cba", patience=3, **flag),
     }
     callbacks = sorted(by_monitor.values(), key=lambda c: c.monitor != first)
-    trainer = quiet_trainer(max_epochs=20, callbacks=callbacks)
+    trainer = lightning_trainer(max_epochs=20, callbacks=callbacks)
     model = Scripted(TWO_SCORES, on_train=on_train)
     trainer.fit(model, one_batch(), one_batch())
     assert trainer.current_epoch - 1 == 3
@@ -224,12 +224,12 @@ class RestoredState(jl.EarlyStopping):
 # test_early_stopping.py::test_resume_early_stopping_from_checkpoint.
 def test_each_early_stopping_gets_its_own_state_back_in_any_order(tmp_path):
     first = [RestoredState("abc"), RestoredState("cba", patience=3)]
-    trainer = quiet_trainer(
+    trainer = lightning_trainer(
         max_epochs=2, default_root_dir=tmp_path, enable_checkpointing=True, callbacks=first
     )
     trainer.fit(Scripted(TWO_SCORES), one_batch(), one_batch())
     again = [RestoredState("cba", patience=3), RestoredState("abc")]  # the other order
-    resumed = quiet_trainer(
+    resumed = lightning_trainer(
         max_epochs=3, default_root_dir=tmp_path, enable_checkpointing=True, callbacks=again
     )
     resumed.fit(Scripted(TWO_SCORES), one_batch(), one_batch(), ckpt_path="last")
@@ -238,7 +238,7 @@ def test_each_early_stopping_gets_its_own_state_back_in_any_order(tmp_path):
 
 
 class LogsFoo(LitMLP):
-    """Logs ``foo = 1`` in every validation step (``val/foo``)."""
+    """Logs ``foo = 1`` in every validation step (``foo``, as logged)."""
 
     def eval_step(self, variables, batch):
         super().eval_step(variables, batch)
@@ -249,8 +249,8 @@ class LogsFoo(LitMLP):
 # validation other than once per epoch it checks after each validation. Lightning
 # mocks the criteria as (go on, stop); patience 1 on a constant value does that.
 def test_with_other_validation_schedules_it_checks_after_validations():
-    stopper = CountingStopper(monitor="val/foo", patience=1)
-    trainer = quiet_trainer(
+    stopper = CountingStopper(monitor="foo", patience=1)
+    trainer = lightning_trainer(
         val_check_interval=0.3,
         limit_train_batches=10,
         limit_val_batches=1,
@@ -261,8 +261,8 @@ def test_with_other_validation_schedules_it_checks_after_validations():
     assert stopper.checks == 2
     assert trainer.global_step == 2 * int(10 * 0.3)  # limit_train_batches * val_check_interval
 
-    stopper = CountingStopper(monitor="val/foo", patience=1)
-    trainer = quiet_trainer(
+    stopper = CountingStopper(monitor="foo", patience=1)
+    trainer = lightning_trainer(
         check_val_every_n_epoch=2, limit_val_batches=1, max_epochs=5, callbacks=[stopper]
     )
     trainer.fit(LogsFoo(hidden=8), one_batch(), one_batch())
@@ -274,14 +274,14 @@ def test_with_other_validation_schedules_it_checks_after_validations():
 # metric and the available ones). Here a validation value the sanity check did
 # not log is refused before any training; other names at the first check.
 def test_a_monitor_never_logged_is_named_before_training_when_it_can_be():
-    trainer = quiet_trainer(max_epochs=2, callbacks=[jl.EarlyStopping("val/nope")])
-    with pytest.raises(RuntimeError, match=r"`val/nope` which is not available.*`val/loss`") as err:
+    trainer = lightning_trainer(max_epochs=2, callbacks=[jl.EarlyStopping("val/nope")])
+    with pytest.raises(RuntimeError, match=r"`val/nope` which is not available.*`loss`") as err:
         trainer.fit(LitMLP(hidden=8), one_batch(), one_batch())
     assert "sanity check" in str(err.value)
     assert trainer.global_step == 0
 
     # a name training hooks could log is only known missing at the first check
-    trainer = quiet_trainer(max_epochs=2, callbacks=[jl.EarlyStopping("nope")])
+    trainer = lightning_trainer(max_epochs=2, callbacks=[jl.EarlyStopping("nope")])
     with pytest.raises(RuntimeError, match="`nope` which is not available"):
         trainer.fit(LitMLP(hidden=8), one_batch(), one_batch())
     assert trainer.global_step == 1
@@ -311,7 +311,7 @@ def test_a_monitor_never_logged_is_named_before_training_when_it_can_be():
 )
 def test_stopping_reasons(losses, kwargs, max_epochs, reason, message):
     stopper = jl.EarlyStopping(monitor="val_loss", verbose=True, **kwargs)
-    trainer = quiet_trainer(max_epochs=max_epochs, callbacks=[stopper])
+    trainer = lightning_trainer(max_epochs=max_epochs, callbacks=[stopper])
     trainer.fit(Scripted({"val_loss": losses}), one_batch(), one_batch())
     assert stopper.stopping_reason is EarlyStoppingReason[reason]
     if message is None:
@@ -387,7 +387,7 @@ def sgd_run():
         ),
     }
     logger = Recorder()
-    trainer = quiet_trainer(
+    trainer = lightning_trainer(
         max_epochs=2, log_every_n_steps=2, logger=logger, callbacks=list(monitors.values())
     )
     trainer.fit(Optimized(sgd_float64), batches(7))
@@ -466,7 +466,7 @@ def test_parameter_groups_are_named_by_their_key():
 
     monitor = jl.LearningRateMonitor(log_momentum=True, log_weight_decay=True)
     prefixed = jl.LearningRateMonitor(log_key_prefix="hparams/")
-    trainer = quiet_trainer(
+    trainer = lightning_trainer(
         max_epochs=2, logger=Recorder(), limit_train_batches=2, callbacks=[monitor, prefixed]
     )
     trainer.fit(Optimized(groups), batches(2))
@@ -485,7 +485,7 @@ def test_parameter_groups_are_named_by_their_key():
 def test_log_momentum_without_momentum_warns_and_logs_zero():
     monitor = jl.LearningRateMonitor(log_momentum=True)
     adagrad = optax.inject_hyperparams(optax.adagrad)
-    trainer = quiet_trainer(
+    trainer = lightning_trainer(
         max_steps=2, log_every_n_steps=1, logger=Recorder(), callbacks=[monitor]
     )
     with pytest.warns(RuntimeWarning, match="optimizers do not have momentum"):
@@ -502,7 +502,7 @@ def test_the_rate_is_in_callback_metrics_for_early_stopping():
     stopper = jl.EarlyStopping(
         monitor="lr-SGD", mode="min", stopping_threshold=0.02, check_on_train_epoch_end=True
     )
-    trainer = quiet_trainer(max_epochs=5, logger=Recorder(), callbacks=[monitor, stopper])
+    trainer = lightning_trainer(max_epochs=5, logger=Recorder(), callbacks=[monitor, stopper])
     sgd = optax.inject_hyperparams(optax.sgd)
     trainer.fit(Optimized(lambda: sgd(learning_rate=schedule)), batches(2))
     assert "lr-SGD" in trainer.callback_metrics
@@ -518,7 +518,7 @@ def test_a_scheduled_rate_is_the_next_updates():
         jl.LearningRateMonitor(schedule=schedule, name="lr"),
     )
     logger = Recorder()
-    trainer = quiet_trainer(
+    trainer = lightning_trainer(
         max_epochs=2, log_every_n_steps=4, logger=logger, callbacks=[injected, by_schedule]
     )
     sgd = optax.inject_hyperparams(optax.sgd)
@@ -531,7 +531,7 @@ def test_a_scheduled_rate_is_the_next_updates():
 
 # Lightning: test_lr_monitor.py::test_lr_monitor_no_logger
 def test_without_a_logger_it_refuses_to_start():
-    trainer = quiet_trainer(max_epochs=1, callbacks=[jl.LearningRateMonitor()])
+    trainer = lightning_trainer(max_epochs=1, callbacks=[jl.LearningRateMonitor()])
     with pytest.raises(ValueError, match="Trainer that has no logger"):
         trainer.fit(Optimized(sgd_float64), one_batch())
     assert trainer.global_step == 0
@@ -546,7 +546,7 @@ class SanityCheckSeen(jl.Callback):
 
 def test_an_optimizer_without_an_injected_rate_is_refused_at_fit_start():
     seen = SanityCheckSeen()
-    trainer = quiet_trainer(
+    trainer = lightning_trainer(
         max_epochs=2, logger=Recorder(), callbacks=[jl.LearningRateMonitor(), seen]
     )
     with pytest.raises(ValueError, match=r"optax\.inject_hyperparams\(optax\.adam\)"):

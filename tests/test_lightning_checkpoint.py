@@ -23,7 +23,7 @@ import pytest
 
 import jaxlightning as jl
 from jaxlightning.io.checkpoint import CheckpointWriter, complete_checkpoints, read_meta, restore
-from tests.helpers import LitMLP, digits, loader, max_abs_diff, quiet_trainer
+from tests.helpers import LitMLP, digits, lightning_trainer, loader, max_abs_diff
 
 BATCH = 8
 
@@ -33,7 +33,7 @@ class Logged(LitMLP):
 
     In ``loss``: ``train_log`` (``train_table[global_step]``, per step and per
     epoch), ``foo`` (``(epoch + 1) / 10``) and ``nan``; the last two are named
-    ``train/foo`` and ``train/nan`` (Lightning's ``foo`` and ``nan``). After each validation
+    ``foo`` and ``nan`` (Lightning's names, as logged). After each validation
     (not the sanity check's): the next value of each list in ``val_values``.
     """
 
@@ -102,7 +102,7 @@ def own_state(path, ckpt: jl.ModelCheckpoint) -> dict:
 
 def fit_with(root, callbacks, module, train, val=None, **trainer_kwargs):
     """One fit with these ``callbacks``; returns the Trainer and what it printed."""
-    trainer = quiet_trainer(default_root_dir=root, callbacks=callbacks, **trainer_kwargs)
+    trainer = lightning_trainer(default_root_dir=root, callbacks=callbacks, **trainer_kwargs)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         trainer.fit(module, train, val)
@@ -215,21 +215,15 @@ def no_val(tmp_path_factory):
         "train_log": jl.ModelCheckpoint(
             root / "train_log", monitor="train_log_epoch", save_top_k=-1
         ),
-        "foo": jl.ModelCheckpoint(root / "foo", save_top_k=3, monitor="train/foo", mode="min"),
-        "nan_min": jl.ModelCheckpoint(
-            root / "nan_min", save_top_k=1, monitor="train/nan", mode="min"
-        ),
-        "nan_max": jl.ModelCheckpoint(
-            root / "nan_max", save_top_k=1, monitor="train/nan", mode="max"
-        ),
+        "foo": jl.ModelCheckpoint(root / "foo", save_top_k=3, monitor="foo", mode="min"),
+        "nan_min": jl.ModelCheckpoint(root / "nan_min", save_top_k=1, monitor="nan", mode="min"),
+        "nan_max": jl.ModelCheckpoint(root / "nan_max", save_top_k=1, monitor="nan", mode="max"),
         "epoch": jl.ModelCheckpoint(root / "epoch", monitor="epoch", mode="max", save_top_k=-1),
         "step": jl.ModelCheckpoint(root / "step", monitor="step", mode="max", save_top_k=2),
         "all": jl.ModelCheckpoint(root / "all", monitor=None, save_top_k=-1, save_last=True),
         "default": jl.ModelCheckpoint(root / "default"),
         "weights": jl.ModelCheckpoint(root / "weights", save_weights_only=True),
-        "verbose": jl.ModelCheckpoint(
-            root / "verbose", monitor="train/foo", mode="max", verbose=True
-        ),
+        "verbose": jl.ModelCheckpoint(root / "verbose", monitor="foo", mode="max", verbose=True),
     }
     with recording_writes() as writes:
         trainer, out = fit_with(root, list(ckpts.values()), Logged(table), data(5), max_epochs=3)
@@ -325,7 +319,7 @@ def test_save_weights_only_writes_the_weights_and_refuses_to_resume(no_val, tmp_
     loaded = LitMLP.load_from_checkpoint(path)
     assert max_abs_diff(loaded.variables["params"], restore(full)["state"]["params"]) == 0.0
 
-    trainer = quiet_trainer(max_epochs=4, default_root_dir=tmp_path)
+    trainer = lightning_trainer(max_epochs=4, default_root_dir=tmp_path)
     with pytest.raises(jl.CheckpointError, match=r"holds the model's weights only"):
         trainer.fit(Logged(), data(5), ckpt_path=path)
 
@@ -333,9 +327,9 @@ def test_save_weights_only_writes_the_weights_and_refuses_to_resume(no_val, tmp_
 def test_verbose_prints_each_check_of_the_monitored_value(no_val):
     # Lightning's messages (`rank_zero_info`), printed on process 0
     folder = no_val["ckpts"]["verbose"].dirpath
-    lines = [line for line in no_val["out"].splitlines() if "'train/foo'" in line]
+    lines = [line for line in no_val["out"].splitlines() if "'foo'" in line]
     assert lines == [
-        f"Epoch {e}, global step {5 * (e + 1)}: 'train/foo' reached {(e + 1) / 10:0.5f} (best "
+        f"Epoch {e}, global step {5 * (e + 1)}: 'foo' reached {(e + 1) / 10:0.5f} (best "
         f"{(e + 1) / 10:0.5f}), saving model to '{folder}/{5 * (e + 1)}' as top 1"
         for e in range(3)
     ]
@@ -613,7 +607,7 @@ def test_model_checkpoint_train_time_interval(tmp_path, monkeypatch):
 )
 def test_model_checkpoint_path(tmp_path, logger_version, expected):
     logger = jl.TensorBoardLogger(tmp_path, version=logger_version)
-    trainer = quiet_trainer(
+    trainer = lightning_trainer(
         default_root_dir=tmp_path, max_epochs=2, logger=logger, enable_checkpointing=True
     )
     trainer.fit(Logged(), data(1))

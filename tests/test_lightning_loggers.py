@@ -128,3 +128,17 @@ def test_tensorboard_hparams_yaml_after_fit(tmp_path):
         params = yaml.safe_load(f)
     assert params["hidden"] == 16 and np.isclose(params["lr"], 1e-2)
     assert not (tmp_path / "hparams.yaml").exists()
+
+
+def test_loggers_sharing_a_folder_share_the_run_version(tmp_path):
+    """TensorBoard and CSV under one save_dir write one run's version_0 (the
+    Trainer fixes every logger's version before any of them writes; TensorBoard's
+    hparams.yaml used to make the CSV logger take version_1)."""
+    loggers = [jl.TensorBoardLogger(tmp_path), jl.CSVLogger(tmp_path)]
+    trainer = quiet_trainer(max_steps=2, logger=loggers, log_every_n_steps=1)
+    trainer.fit(LitMLP(hidden=16), loader(*digits(32), 16))
+    assert (
+        loggers[0].log_dir == loggers[1].log_dir == str(tmp_path / "lightning_logs" / "version_0")
+    )
+    assert os.listdir(tmp_path / "lightning_logs") == ["version_0"]
+    assert {"metrics.csv", "hparams.yaml"} <= set(os.listdir(loggers[1].log_dir))

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import jaxlightning as jl
-from tests.helpers import LitMLP, digits, init_mlp, loader, quiet_trainer
+from tests.helpers import LitMLP, digits, init_mlp, lightning_trainer, loader, quiet_trainer
 
 X, Y = digits(64)
 VX, VY = digits(24, 500)
@@ -68,7 +68,8 @@ def test_current_epoch_is_traced_in_loss_and_validation(compiles):
         history.append({k: float(v) for k, v in m.trainer.callback_metrics.items()})
 
     module = Logs(train=train, val=val, host={"on_validation_epoch_end": remember})
-    trainer = quiet_trainer(max_epochs=3, num_sanity_val_steps=0)
+    # the same name in training and validation: kept apart by the stage prefix
+    trainer = quiet_trainer(max_epochs=3, num_sanity_val_steps=0, stage_prefix=True)
     trainer.fit(module, loader(X, Y, 16), loader(VX, VY, 8))
     assert [h["train/epoch_seen"] for h in history] == [0.0, 1.0, 2.0]
     assert [h["train/epoch_scaled"] for h in history] == [2.0, 4.0, 6.0]
@@ -174,19 +175,19 @@ def test_sum_of_a_scalar_counts_once_per_step():
         m.log("bar", 1.0, reduce_fx="sum")
         m.log("bar_2", 1.0, reduce_fx="mean")
 
-    trainer = quiet_trainer(
+    trainer = lightning_trainer(
         max_epochs=1, limit_train_batches=3, limit_val_batches=3, log_every_n_steps=1
     )
     # batch 2 on 8 devices: 6 of 8 devices hold only padding rows
     trainer.fit(Logs(train=train, val=val), loader(X, Y, 2), loader(VX, VY, 2))
     metrics = trainer.callback_metrics
-    assert metrics["train/foo_2"] == 2
-    assert metrics["train/foo_3"] == 2
-    assert metrics["train/foo_7"] == 2 * 3
-    assert metrics["train/foo_8"] == 2
-    assert metrics["train/ones"] == 3  # the case: not once per row (6)
-    assert metrics["val/bar"] == 1 * 3
-    assert metrics["val/bar_2"] == 1
+    assert metrics["foo_2"] == 2
+    assert metrics["foo_3"] == 2
+    assert metrics["foo_7"] == 2 * 3
+    assert metrics["foo_8"] == 2
+    assert metrics["ones"] == 3  # the case: not once per row (6)
+    assert metrics["bar"] == 1 * 3
+    assert metrics["bar_2"] == 1
 
 
 def test_add_dataloader_idx_false_keeps_the_names_as_written():
@@ -194,23 +195,25 @@ def test_add_dataloader_idx_false_keeps_the_names_as_written():
     def val(m):
         m.log("plain", 1.0, add_dataloader_idx=False)
 
-    results = quiet_trainer().validate(
+    results = lightning_trainer().validate(
         Logs(init_variables=init_mlp(), val=val), [loader(VX, VY, 8), loader(VX, VY, 8)]
     )
-    assert "val/plain" in results[0] and "val/plain" in results[1]
-    assert "val/acc/dataloader_idx_0" in results[0] and "val/acc/dataloader_idx_1" in results[1]
+    assert "plain" in results[0] and "plain" in results[1]
+    assert "acc/dataloader_idx_0" in results[0] and "acc/dataloader_idx_1" in results[1]
 
 
 # -------------------------------------------------------------- logger steps
 def test_logger_steps_follow_lightnings_numbering(tmp_path):
     # trainer/logging_/test_train_loop_logging.py::test_log_metrics_epoch_step_values
     logger = jl.CSVLogger(str(tmp_path))
-    trainer = quiet_trainer(max_epochs=2, limit_train_batches=2, log_every_n_steps=1, logger=logger)
+    trainer = lightning_trainer(
+        max_epochs=2, limit_train_batches=2, log_every_n_steps=1, logger=logger
+    )
     module = Logs(train=lambda m: m.log("foo", 0.0, on_step=True, on_epoch=True))
     trainer.fit(module, loader(X, Y, 16))
     rows = _csv_rows(logger)
-    steps = [(int(r["step"]), int(float(r["epoch"]))) for r in rows if r.get("train/foo_step")]
-    epochs = [(int(r["step"]), int(float(r["epoch"]))) for r in rows if r.get("train/foo_epoch")]
+    steps = [(int(r["step"]), int(float(r["epoch"]))) for r in rows if r.get("foo_step")]
+    epochs = [(int(r["step"]), int(float(r["epoch"]))) for r in rows if r.get("foo_epoch")]
     assert steps == [(0, 0), (1, 0), (2, 1), (3, 1)]
     assert epochs == [(1, 0), (3, 1)]
 
@@ -222,19 +225,19 @@ def test_validate_returns_values_logged_in_on_validation_epoch_end():
         m.log("from_epoch_end", 3.0)
 
     module = Logs(init_variables=init_mlp(), host={"on_validation_epoch_end": at_end})
-    results = quiet_trainer().validate(module, loader(VX, VY, 8))
-    assert results[0]["from_epoch_end"] == 3.0 and "val/acc" in results[0]
+    results = lightning_trainer().validate(module, loader(VX, VY, 8))
+    assert results[0]["from_epoch_end"] == 3.0 and "acc" in results[0]
 
 
 def test_callback_metrics_are_reset_when_validate_starts():
     # trainer/trainer.py _run: reset_results() and reset_metrics() at every call
-    trainer = quiet_trainer(max_steps=2)
+    trainer = lightning_trainer(max_steps=2)
     module = LitMLP()
     trainer.fit(module, loader(X, Y, 16))
     assert "train/loss" in trainer.callback_metrics
     (results,) = trainer.validate(module, loader(VX, VY, 8))
     assert trainer.callback_metrics == results
-    assert set(results) == {"val/loss", "val/acc"}
+    assert set(results) == {"loss", "acc"}
 
 
 def test_sum_of_a_scalar_is_independent_of_the_device_count():

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from jaxlightning.loggers import Logger
-from jaxlightning.loggers.base import finalize_all
+from jaxlightning.loggers.base import VersionedLogger, finalize_all
 from jaxlightning.loop.progress import Progress
 from jaxlightning.metrics.logged import LogOptions, host_value
 
@@ -194,6 +194,15 @@ class Reporter:
     def log_hyperparams(self, hparams: Mapping[str, Any]) -> None:
         for logger in self.loggers:
             logger.log_hyperparams(hparams)
+
+    def fix_run_dirs(self) -> None:
+        """Chooses every versioned logger's run directory now, before any of them
+        writes: loggers sharing a folder (TensorBoard and CSV under
+        ``lightning_logs``) then share the run's ``version_N`` too, and every
+        process of a multi-process run asks at the same point."""
+        for logger in self.loggers:
+            if isinstance(logger, VersionedLogger):
+                _ = logger.version
 
     def resume_in(self, log_dir: str | None) -> None:
         """Resumes logging into a checkpoint's run directory (one run in TensorBoard)."""
