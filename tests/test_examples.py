@@ -38,6 +38,7 @@ def test_gan_generates_the_target_distribution(tmp_path):
     assert {"d_loss", "g_loss"} <= set(cli.fit_metrics)  # names as logged
 
 
+@pytest.mark.slow  # synced BatchNorm stays in the fast tier (test_sync_batchnorm.py)
 def test_resnet_with_synced_batchnorm_and_augmentation_learns_digits(tmp_path):
     cli = load("resnet").main(quiet(tmp_path, "--trainer.max_epochs=4"))
     assert cli.accuracy > 0.85
@@ -56,6 +57,7 @@ class BackboneAt(jl.Callback):
         self.seen[trainer.global_step] = jax.tree.map(np.array, backbone)
 
 
+@pytest.mark.slow  # fine-tuning stays in the fast tier (test_finetuning.py)
 def test_finetuning_freezes_the_backbone_then_trains_it(tmp_path):
     finetune = load("finetune")
     cli = finetune.main(
