@@ -25,7 +25,11 @@ def _is_numeric(value: Any) -> bool:
     dtype = getattr(value, "dtype", None)
     if dtype is None or not hasattr(value, "shape"):
         return False
-    return bool(jax.numpy.issubdtype(dtype, jax.numpy.number)) or np.dtype(dtype) == np.bool_
+    try:
+        dtype = np.dtype(dtype)  # numpy's, JAX's (traced values too)
+    except TypeError:  # a torch tensor's (torch.int64): numbers and booleans count
+        return getattr(dtype, "is_complex", True) is False
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.number)) or dtype == np.bool_
 
 
 # Hooks whose logged values are training values (per step by default).

@@ -322,3 +322,18 @@ def test_stage_prefix_groups_names_by_stage(tmp_path):
     )
     (tested,) = trainer.test(module, loader(X[:16], Y[:16], 16))
     assert set(tested) == {"test/bar", "test/acc", "test/loss"}
+
+
+def test_torch_scalars_logged_from_a_host_hook(tmp_path):
+    """Lightning code logs torch tensors from host hooks (on_validation_epoch_end),
+    integer ones too; an integer torch scalar used to fail the numeric check."""
+    import torch
+
+    def at_end(m):
+        m.log("count", torch.tensor(3))
+        m.log("ratio", torch.tensor(0.5))
+        m.log("flag", torch.tensor(True))
+
+    module = Logs(init_variables=init_mlp(), host={"on_validation_epoch_end": at_end})
+    (result,) = lightning_trainer().validate(module, loader(VX, VY, 8))
+    assert (result["count"], result["ratio"], result["flag"]) == (3.0, 0.5, 1.0)
