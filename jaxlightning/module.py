@@ -539,6 +539,11 @@ class JaxModule:
                     f"self.log({name!r}, ...) was called outside the Trainer's control flow; "
                     "call it in a traced hook (loss, eval_step) or a module hook"
                 )
+            if on_step is False and on_epoch is False:  # as in a traced hook, and Lightning
+                raise ValueError(
+                    f"self.log({name!r}, ..., on_step=False, on_epoch=False) would report "
+                    "nothing; set one of them"
+                )
             ahead = self._host_hook == "on_train_batch_start"
             self._host_log(name, value, prog_bar=prog_bar, logger=logger, before_update=ahead)
             return

@@ -337,3 +337,17 @@ def test_torch_scalars_logged_from_a_host_hook(tmp_path):
     module = Logs(init_variables=init_mlp(), host={"on_validation_epoch_end": at_end})
     (result,) = lightning_trainer().validate(module, loader(VX, VY, 8))
     assert (result["count"], result["ratio"], result["flag"]) == (3.0, 0.5, 1.0)
+
+
+def test_logging_neither_per_step_nor_per_epoch_from_a_callback_hook_raises():
+    """Lightning refuses on_step=False, on_epoch=False wherever self.log is called
+    (its logger connector's result metadata: "is not useful"), a callback's
+    batch hook included."""
+
+    class LogsNothing(jl.Callback):
+        def on_train_batch_end(self, trainer, module, batch_idx):
+            module.log("nothing", 1.0, on_step=False, on_epoch=False)
+
+    trainer = lightning_trainer(max_steps=1, callbacks=[LogsNothing()])
+    with pytest.raises(ValueError, match=r"on_step=False, on_epoch=False\) would report nothing"):
+        trainer.fit(LitMLP(), loader(X, Y, 16))
