@@ -50,6 +50,7 @@ class LitNNX(jl.JaxModule):
         return {"logits": model(batch[0])}
 
 
+@pytest.mark.slow  # an accuracy sweep; NNX fits stay fast (dropout, resume)
 def test_nnx_mlp_learns_digits_like_the_linen_mlp():
     x, y = digits(1500)
     vx, vy = digits(297, 1500)

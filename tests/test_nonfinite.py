@@ -56,6 +56,7 @@ def test_on_nonfinite_choices_other_than_raise_skip_and_rollback_are_named():
         quiet_trainer(on_nonfinite="ignore")
 
 
+@pytest.mark.slow  # an accuracy sweep; 16-mixed keeps its overflow test here
 def test_float16_mixed_learns_digits_within_a_point_of_float32():
     x, y = digits()
     train, val = loader(x[:1400], y[:1400], 32, shuffle=True), loader(x[1400:], y[1400:], 128)
