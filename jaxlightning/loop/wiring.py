@@ -33,6 +33,8 @@ from jaxlightning.strategies import Strategy, resolve_devices, resolve_strategy
 from jaxlightning.training import compile_cache
 from jaxlightning.training.precision import resolve as precision_setting
 
+_STAGES = ("train", "val", "test", "predict")  # of the limit_<stage>_batches arguments
+
 
 @dataclasses.dataclass(frozen=True)
 class Parts:
@@ -159,5 +161,3 @@ def wire(view: Any, resolve_ckpt_path: Callable[[Any], str], **args: Any) -> Par
         fit_loop=fit_loop,
     )
 
-
-_STAGES = ("train", "val", "test", "predict")
