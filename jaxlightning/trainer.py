@@ -264,7 +264,9 @@ class Trainer:
     received_sigterm = _read("_stop", "received_sigterm", "This process got SIGTERM in a fit.")
     accumulate_grad_batches = _read("_progress", "accumulate", "Micro-batches per update.")
     callback_metrics = _read("_reporter", "callback_metrics", "Every reported value, by name.")
-    logged_metrics = _read("_reporter", "logged_metrics", "The values last sent to loggers.")
+    logged_metrics = _read(
+        "_reporter", "logged_metrics", "Every value logged in this call, the last of each name."
+    )
     progress_bar_metrics = _read("_reporter", "progress_bar_metrics", "The bar's values.")
     loggers = _read("_reporter", "loggers", "Every logger.")
     log_dir = _read("_reporter", "log_dir", "The first logger's run directory.")

@@ -449,19 +449,22 @@ def test_momentum_and_weight_decay(sgd_run):
     assert all(v == pytest.approx(0.9) for v in logger.points["train/lr-SGD-momentum"].values())
 
 
-# Lightning: test_lr_monitor.py::test_lr_monitor_param_groups,
-# ::test_lr_monitor_multiple_param_groups_no_lr_scheduler and
-# ::test_lr_monitor_log_key_prefix_multi_optimizers. A dict of optimizers (groups
-# by params entry) names each rate by its group, as Lightning names a named group.
-def test_parameter_groups_are_named_by_their_key():
+# Lightning: test_lr_monitor.py::test_lr_monitor_multi_optimizers (two Adams:
+# "lr-Adam", "lr-Adam-1") and ::test_lr_monitor_log_key_prefix_multi_optimizers
+# (["hparams/lr-Adam", "hparams/lr-SGD"]). A dict of optimizers is several
+# optimizers: named by kind, the second of a kind with "-1", in the dict's order.
+def test_several_optimizers_are_named_as_lightning_names_them():
     lr, momentum, weight_decay = 1e-2, 0.7, 0.1
-    rates = {"Dense_0": lr * 0.1, "Dense_1": lr, "Dense_2": lr}
+    rates = {"Dense_0": lr * 0.1, "Dense_1": lr, "Dense_2": lr * 0.5}
+    sgd = optax.inject_hyperparams(optax.sgd)
 
     def groups():
         adamw = optax.inject_hyperparams(optax.adamw)
+        decay = {"b1": momentum, "weight_decay": weight_decay}
         return {
-            key: adamw(learning_rate=rate, b1=momentum, weight_decay=weight_decay)
-            for key, rate in rates.items()
+            "Dense_0": adamw(learning_rate=rates["Dense_0"], **decay),
+            "Dense_1": sgd(learning_rate=rates["Dense_1"], momentum=momentum),
+            "Dense_2": adamw(learning_rate=rates["Dense_2"], **decay),
         }
 
     monitor = jl.LearningRateMonitor(log_momentum=True, log_weight_decay=True)
@@ -470,14 +473,19 @@ def test_parameter_groups_are_named_by_their_key():
         max_epochs=2, logger=Recorder(), limit_train_batches=2, callbacks=[monitor, prefixed]
     )
     trainer.fit(Optimized(groups), batches(2))
-    keys = [f"lr-AdamW/{key}" for key in rates]
+    keys = ["lr-AdamW", "lr-SGD", "lr-AdamW-1"]
     assert list(monitor.lrs) == keys
     assert list(monitor.last_momentum_values) == [f"{k}-momentum" for k in keys]
     assert all(v == pytest.approx(momentum) for v in monitor.last_momentum_values.values())
     assert list(monitor.last_weight_decay_values) == [f"{k}-weight_decay" for k in keys]
-    assert all(v == pytest.approx(weight_decay) for v in monitor.last_weight_decay_values.values())
-    for key, rate in rates.items():
-        assert monitor.lrs[f"lr-AdamW/{key}"] == [pytest.approx(rate)] * 2
+    decays = monitor.last_weight_decay_values
+    assert decays == {
+        "lr-AdamW-weight_decay": pytest.approx(weight_decay),
+        "lr-SGD-weight_decay": 0.0,
+        "lr-AdamW-1-weight_decay": pytest.approx(weight_decay),
+    }
+    for key, rate in zip(keys, rates.values(), strict=True):
+        assert monitor.lrs[key] == [pytest.approx(rate)] * 2
     assert list(prefixed.lrs) == [f"hparams/{k}" for k in keys]
 
 

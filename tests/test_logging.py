@@ -77,7 +77,7 @@ def test_val_metrics_logged_once_per_epoch_with_epoch(run):
     assert [e.step for e in val] == [6, 13, 20]
     assert [round(e.value, 6) for e in val] == [round(v, 6) for v in recorder.val_acc]
     assert "epoch" in events.Tags()["scalars"]
-    assert trainer.logged_metrics["epoch"] == 2.0
+    assert [e.value for e in events.Scalars("epoch")][-1] == 2.0
 
 
 def test_hparams_tab_lists_the_validation_metrics_as_columns(run):

@@ -204,9 +204,14 @@ def test_a_tutorial_script_with_workers_trains(tmp_path, guarded):
     body = _UNGUARDED.format(extra="")
     if guarded:
         head, _, rest = body.partition("x, y = digits(512)")
-        body = head + "def main():\n" + "".join(
-            f"    {line}\n" for line in ("x, y = digits(512)" + rest).strip().splitlines()
-        ) + 'if __name__ == "__main__":\n    main()\n'
+        body = (
+            head
+            + "def main():\n"
+            + "".join(
+                f"    {line}\n" for line in ("x, y = digits(512)" + rest).strip().splitlines()
+            )
+            + 'if __name__ == "__main__":\n    main()\n'
+        )
     script = tmp_path / "tutorial.py"
     script.write_text(body)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

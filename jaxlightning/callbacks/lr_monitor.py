@@ -137,11 +137,12 @@ class LearningRateMonitor(Callback):
     Names: ``<Optimizer>`` is the optax alias ``inject_hyperparams`` wraps, in
     torch's spelling where torch has it (``optax.adam`` -> ``lr-Adam``,
     ``optax.sgd`` -> ``lr-SGD``, ``optax.adamw`` -> ``lr-AdamW``; others
-    capitalised, ``optax.lion`` -> ``lr-Lion``). A dict of optimizers from
-    ``configure_optimizers`` (parameter groups) names each by its key, as
-    Lightning names a named parameter group: ``lr-Adam/encoder``. Several
-    injected rates in one group are ``lr-Adam``, ``lr-Adam-1``, ... To learn the
-    names it calls ``configure_optimizers()`` once more when `fit` starts.
+    capitalised, ``optax.lion`` -> ``lr-Lion``). Several optimizers (a dict of
+    them from ``configure_optimizers``, in its order, or several injected rates
+    in one chain) are named as Lightning names several optimizers: the second
+    of a kind ``lr-Adam-1``, the third ``lr-Adam-2`` (``{"a": adam, "b": sgd,
+    "c": adam}`` -> ``lr-Adam``, ``lr-SGD``, ``lr-Adam-1``). To learn the names
+    it calls ``configure_optimizers()`` once more when `fit` starts.
 
     When `fit` starts it raises without a logger (except with
     ``fast_dev_run``), and when it finds no rate to read (no ``schedule`` and
@@ -161,7 +162,8 @@ class LearningRateMonitor(Callback):
             Not with ``schedule``.
         log_key_prefix: put in front of every key (``"optim/"`` -> ``optim/lr-Adam``).
         schedule: an optax schedule ``step -> rate`` to log instead of the state's.
-        name: the key instead of ``lr-<Optimizer>`` (groups still get ``/<key>``).
+        name: the key instead of ``lr-<Optimizer>`` (several optimizers: ``name``,
+            ``name-1``, ...).
 
     Attributes:
         lrs: every logged rate, by key.
@@ -203,7 +205,7 @@ class LearningRateMonitor(Callback):
         if self.schedule is not None:
             configured = module.configure_optimizers() if self.name is None else None
             found = find_injected(configured) if configured is not None else []
-            key = self._key(found[0].optimizer if found else None, None, 0)
+            key = self._key(self._base(found[0].optimizer if found else None), 0)
             self._sites = [_Site(key, {"learning_rate": self.schedule})]
         else:
             self._sites = self._find_sites(trainer, module)
@@ -239,21 +241,25 @@ class LearningRateMonitor(Callback):
             group: find_injected(self._groups[group] if group is not None else configured)
             for group in {group for group, _ in states}
         }
-        sites, counts = [], {}
+        sites, in_group, seen = [], {}, {}
         for group, _ in states:
-            index = counts[group] = counts.get(group, -1) + 1
+            index = in_group[group] = in_group.get(group, -1) + 1
             injected = found[group][index] if index < len(found[group]) else None
             optimizer = injected.optimizer if injected is not None else None
             schedules = injected.schedules if injected is not None else {}
-            sites.append(_Site(self._key(optimizer, group, index), schedules))
+            base = self._base(optimizer)
+            repeat = seen[base] = seen.get(base, -1) + 1
+            sites.append(_Site(self._key(base, repeat), schedules))
         return sites
 
-    def _key(self, optimizer: str | None, group: str | None, index: int) -> str:
-        """``<prefix>lr-<Optimizer>[-<index>][/<group>]`` (``name`` replaces ``lr-<Optimizer>``)."""
-        base = self.name or (f"lr-{optimizer}" if optimizer else "lr")
-        if index:
-            base += f"-{index}"
-        return f"{self.log_key_prefix}{base}" + (f"/{group}" if group is not None else "")
+    def _base(self, optimizer: str | None) -> str:
+        """``lr-<Optimizer>`` (``name`` instead, where given)."""
+        return self.name or (f"lr-{optimizer}" if optimizer else "lr")
+
+    def _key(self, base: str, repeat: int) -> str:
+        """``<prefix><base>[-<repeat>]``: Lightning's rule, the second optimizer of a
+        kind is ``lr-Adam-1``, the third ``lr-Adam-2``."""
+        return f"{self.log_key_prefix}{base}" + (f"-{repeat}" if repeat else "")
 
     # -------------------------------------------------------------- logging
     def on_train_batch_start(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:

@@ -144,9 +144,12 @@ class Reporter:
         self.callback_metrics = {**self.callback_metrics, **values.values}
         self.progress_bar_metrics = {**self.progress_bar_metrics, **values.bar}
         if values.logged and not self._discard:
-            self.logged_metrics = {**values.logged, "epoch": float(self.progress.current_epoch)}
+            # Lightning's rule: every value logged in this Trainer call stays in
+            # ``logged_metrics``; the loggers also get ``epoch`` unless it was logged.
+            self.logged_metrics = {**self.logged_metrics, **values.logged}
+            sent = {"epoch": float(self.progress.current_epoch), **values.logged}
             for logger in self.loggers:
-                logger.log_metrics(self.logged_metrics, step=self.progress.log_step_of(ahead))
+                logger.log_metrics(sent, step=self.progress.log_step_of(ahead))
 
     @contextlib.contextmanager
     def discarding(self) -> Iterator[None]:

@@ -160,4 +160,3 @@ def wire(view: Any, resolve_ckpt_path: Callable[[Any], str], **args: Any) -> Par
         evaluation=evaluation,
         fit_loop=fit_loop,
     )
-
