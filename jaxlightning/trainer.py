@@ -24,6 +24,7 @@ from jaxlightning.callbacks import Callback
 from jaxlightning.callbacks.plateau import PlateauStepper
 from jaxlightning.callbacks.rollback import Rollback
 from jaxlightning.cluster import slurm
+from jaxlightning.cluster.rank_zero import rank_zero_info
 from jaxlightning.data.arrays import as_eval_loaders, as_loader
 from jaxlightning.data.convert import loader_batch_size
 from jaxlightning.data.datamodule import fit_loaders, is_datamodule, stage_loaders
@@ -31,7 +32,7 @@ from jaxlightning.data.datamodule import prepare as prepare_datamodule
 from jaxlightning.data.prefetch import torch_threads
 from jaxlightning.io.checkpoint import read_meta
 from jaxlightning.loggers import Logger
-from jaxlightning.loop import resume
+from jaxlightning.loop import resume, signals
 from jaxlightning.loop.eval_loop import eval_hook
 from jaxlightning.loop.program import NonFiniteLossError
 from jaxlightning.loop.wiring import wire
@@ -244,6 +245,7 @@ class Trainer:
         self._default_epochs = parts.default_epochs  # fit warns, as Lightning
         self.datamodule: Any = None
         self.stage: str | None = None  # "fit", "validate", "test" or "predict" while running
+        self.interrupted = False  # the last call failed or was interrupted (Lightning's flag)
         self._epoch_batches: tuple[int | None] | None = None  # fit's, once known
         self._train_loader: Any = None  # fit's training data, while it runs
         self._lightning_module: JaxModule | None = None  # the module fit last
@@ -406,21 +408,32 @@ class Trainer:
         if datamodule is not None:
             self.datamodule = datamodule
             prepare_datamodule(datamodule, stage)
+        self.interrupted = False
         self._hooks("setup", module, stage)
         self._reporter.reset()  # each call reports its own values (Lightning's reset)
+        shutdown = contextlib.ExitStack()
         try:
             # One torch thread for in-process loading while XLA computes on the CPU.
             with torch_threads(1 if self.strategy.on_cpu else None):
                 yield
+        except SystemExit:  # a signal's clean stop is not a failure
+            raise
+        except KeyboardInterrupt as exc:  # Lightning's rule: the hooks, then exit(1)
+            rank_zero_info("\nDetected KeyboardInterrupt, attempting graceful shutdown ...")
+            shutdown.enter_context(signals.sigint_ignored())
+            self.interrupted = True
+            self._hooks("on_exception", module, exc)
+            raise SystemExit(1) from exc
         except BaseException as exc:
-            if not isinstance(exc, SystemExit):  # a signal's clean stop is not a failure
-                self._hooks("on_exception", module, exc)
+            self.interrupted = True
+            self._hooks("on_exception", module, exc)
             raise
         finally:
-            self._hooks("teardown", module, stage)
-            self.stage, module._trainer, module._host_log = previous
-            if datamodule is not None and hasattr(datamodule, "teardown"):
-                datamodule.teardown(stage)
+            with shutdown:
+                self._hooks("teardown", module, stage)
+                self.stage, module._trainer, module._host_log = previous
+                if datamodule is not None and hasattr(datamodule, "teardown"):
+                    datamodule.teardown(stage)
 
     def _last_exists(self) -> bool:
         try:

@@ -3,9 +3,11 @@ at the next step boundary."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -63,3 +65,19 @@ class StopRequest:
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum is not None else ""
+
+
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """Within the block, SIGINT is ignored: the shutdown after a
+    `KeyboardInterrupt` is not cut short by another Ctrl-C (Lightning's rule;
+    unlike Lightning the previous handler returns afterwards, so a notebook or
+    test runner keeps its own). Outside the main thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
