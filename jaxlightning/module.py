@@ -7,7 +7,7 @@ import dataclasses
 import inspect
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -122,6 +122,21 @@ class AttributeDict(dict):
 
     def __setattr__(self, key: str, value: Any) -> None:
         self[key] = value
+
+
+def _dataloader_idx_args(fn: Callable[..., Any], index: int) -> tuple[tuple, dict]:
+    """How an evaluation hook takes ``dataloader_idx``: by that name (or
+    ``**kwargs``), or as a third positional parameter; else not at all."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return (), {}
+    if any(p.name == "dataloader_idx" or p.kind is p.VAR_KEYWORD for p in params):
+        return (), {"dataloader_idx": index}
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params):
+        return (index,), {}
+    return (), {}
 
 
 class JaxModule:
@@ -425,12 +440,20 @@ class JaxModule:
             )
         return out, self._nnx.updates(model)
 
-    def _call_eval(self, hook: str, variables: Any, batch: Any) -> Any:
-        """An evaluation hook (or ``predict_step``) with the variables or the model."""
+    def _call_eval(
+        self, hook: str, variables: Any, batch: Any, dataloader_idx: int | None = None
+    ) -> Any:
+        """An evaluation hook (or ``predict_step``) with the variables or the model;
+        with several loaders, ``dataloader_idx`` (a Python int: each loader is its
+        own compiled program) for a hook that takes it, as Lightning passes it."""
         if self._nnx is not None:
             variables = self._nnx.merge(variables, None, train=False)
+        fn = getattr(self, hook)
+        args, kwargs = ((), {})
+        if dataloader_idx is not None:
+            args, kwargs = _dataloader_idx_args(fn, dataloader_idx)
         with self._explaining_traced_counters(hook):
-            return getattr(self, hook)(variables, batch)
+            return fn(variables, batch, *args, **kwargs)
 
     # --------------------------------------------------------------- logging
     @property

@@ -15,7 +15,15 @@ import optax
 import pytest
 
 import jaxlightning as jl
-from tests.helpers import LitMLP, digits, init_mlp, lightning_trainer, loader, quiet_trainer
+from tests.helpers import (
+    LitMLP,
+    digits,
+    init_mlp,
+    lightning_trainer,
+    loader,
+    np_logits,
+    quiet_trainer,
+)
 
 X, Y = digits(64)
 VX, VY = digits(24, 500)
@@ -77,10 +85,13 @@ def test_current_epoch_is_traced_in_loss_and_validation(compiles):
     assert compiles.matching("jl_train_step") == 1  # no recompile per epoch
 
 
-def test_python_branch_on_current_epoch_says_to_use_jnp_where():
+@pytest.mark.parametrize("use", ["branch", "float"])
+def test_python_branch_on_current_epoch_says_to_use_jnp_where(use):
     class Branches(LitMLP):
         def loss(self, variables, batch, rngs):
             per_example = super().loss(variables, batch, rngs)
+            if use == "float":  # a Python number from a traced value
+                return per_example * (1.0 + float(self.current_epoch))
             if self.current_epoch > 0:  # a Python branch on a traced value
                 return per_example * 2
             return per_example
@@ -351,3 +362,46 @@ def test_logging_neither_per_step_nor_per_epoch_from_a_callback_hook_raises():
     trainer = lightning_trainer(max_steps=1, callbacks=[LogsNothing()])
     with pytest.raises(ValueError, match=r"on_step=False, on_epoch=False\) would report nothing"):
         trainer.fit(LitMLP(), loader(X, Y, 16))
+
+
+# -------------------------------------------------------- evaluation hooks
+def test_each_loader_passes_its_dataloader_idx():
+    # trainer/dynamic_args/test_multiple_eval_dataloaders.py::test_multiple_eval_dataloaders_seq:
+    # validation_step(batch, batch_idx, dataloader_idx) branches on the index
+    # (a Python int here: each loader is its own compiled program).
+    (ax, ay), (bx, by) = digits(24, 500), digits(40, 900)
+    seen = []
+
+    class Branches(LitMLP):
+        def validation_step(self, variables, batch, dataloader_idx):
+            seen.append(dataloader_idx)
+            x, y = batch
+            logits = self.net.apply(variables, x)
+            name = "first_acc" if dataloader_idx == 0 else "second_acc"
+            self.log(name, logits.argmax(-1) == y, add_dataloader_idx=False)
+
+    variables = init_mlp()
+    results = lightning_trainer().validate(
+        Branches(init_variables=variables), [loader(ax, ay, 8), loader(bx, by, 16)]
+    )
+    assert set(seen) == {0, 1}
+    assert list(results[0]) == ["first_acc"] and list(results[1]) == ["second_acc"]
+    for got, (x, y) in zip(
+        (results[0]["first_acc"], results[1]["second_acc"]), ((ax, ay), (bx, by)), strict=True
+    ):
+        expected = (np_logits(variables["params"], x).argmax(-1) == y).mean()
+        assert got == pytest.approx(expected)
+
+
+def test_one_loader_passes_no_dataloader_idx_and_a_silent_step_is_allowed():
+    # BoringModel's validation_step logs nothing (Lightning allows it, and passes no
+    # dataloader_idx with one loader: the default stays).
+    class Silent(LitMLP):
+        def validation_step(self, variables, batch, dataloader_idx=7):
+            assert dataloader_idx == 7
+
+    trainer = lightning_trainer(max_epochs=1)
+    trainer.fit(Silent(), loader(X, Y, 16), loader(VX, VY, 8))
+    assert trainer.global_step == 4
+    assert "acc" in trainer.callback_metrics  # training's values only
+    assert trainer.validate(Silent(), loader(VX, VY, 8)) == [{}]

@@ -139,8 +139,9 @@ class EvalLoop:
             for i, loader in enumerate(loaders):
                 suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""
                 checkpoint = ckpt_path if i == 0 else None
+                index = i if len(loaders) > 1 else None  # Lightning passes it with several
                 metrics, options = self._evaluate_loader(
-                    stage, module, loader, checkpoint, counts[i]
+                    stage, module, loader, checkpoint, counts[i], index
                 )
                 values = report(prefix, options, metrics, "epoch", suffix)
                 results.append(values.values)
@@ -174,12 +175,15 @@ class EvalLoop:
         loader: Any,
         ckpt_path: Any,
         limit: int | None,
+        dataloader_idx: int | None = None,
     ) -> tuple[Metrics, dict[str, LogOptions]]:
         hook = eval_hook(module, stage)
         epoch = self.progress.current_epoch
         with self.pipeline.eval_pass(loader, f"the {stage} dataloader", limit, epoch) as batches:
             variables = self._variables(module, batches.first, ckpt_path)
-            eval_step, acc, options = self.program.eval_step(module, hook, batches.first, variables)
+            eval_step, acc, options = self.program.eval_step(
+                module, hook, batches.first, variables, dataloader_idx
+            )
             ranked = [n for n, o in options.items() if o.metric is not None and o.metric.collects]
             steps = []  # each step's rows of the rank metrics (on device until the end)
             for batch_idx, batch in enumerate(batches):

@@ -524,22 +524,28 @@ class Program:
             self.fit_module = None
 
     def eval_step(
-        self, module: JaxModule, hook: str, first: DeviceBatch, variables: Any
+        self,
+        module: JaxModule,
+        hook: str,
+        first: DeviceBatch,
+        variables: Any,
+        dataloader_idx: int | None = None,
     ) -> tuple[Callable[..., Any], Metrics, Options]:
         """The compiled evaluation of ``hook``, its empty accumulator and the
-        options of what it logs (compiled once per module, hook and shapes)."""
+        options of what it logs (compiled once per module, hook, shapes and,
+        with several loaders, loader index)."""
         rows = first.host.mask.shape[0] // self.strategy.num_local_shards
         example = shard_shapes(first.host.data, rows)
         shapes = (jax.tree.structure(example), tuple(jax.tree.leaves(example)))
-        key = ("eval", hook, module, shapes)
+        key = ("eval", hook, module, shapes, dataloader_idx)
         if key not in self._eval_fns:
             compiled = self.strategy.compile(
-                build_eval_step(module, hook, self.options.precision),
+                build_eval_step(module, hook, self.options.precision, dataloader_idx),
                 sharded_args=(False, False, True, True),
                 sharded_out=False,
             )
             local = jax.eval_shape(self.strategy.unreplicate, variables)
-            zeros, options = zero_eval_metrics(module, hook, local, example)
+            zeros, options = zero_eval_metrics(module, hook, local, example, dataloader_idx)
             self._eval_fns[key] = (compiled, self.strategy.replicate(zeros), options)
         step = self._eval_fns[key]
         call = (variables, step[1], first.data, first.mask)

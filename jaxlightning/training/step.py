@@ -324,13 +324,13 @@ def zero_train_metrics(
 
 
 def zero_eval_metrics(
-    module: JaxModule, hook: str, variables: Any, batch: Any
+    module: JaxModule, hook: str, variables: Any, batch: Any, dataloader_idx: int | None = None
 ) -> tuple[Metrics, Options]:
     """Empty accumulators for what the evaluation ``hook`` logs, and their options
     (a rank metric has none: its `Rows` are each step's output)."""
 
     def call(variables: Any, batch: Any) -> None:
-        module._call_eval(hook, variables, batch)
+        module._call_eval(hook, variables, batch, dataloader_idx)
 
     options = _logged_names(module, hook, variables, batch, call=call)
     carried = {n: o for n, o in options.items() if o.metric is None or not o.metric.collects}
@@ -537,21 +537,21 @@ def build_flush(tx: Any, options: StepOptions) -> Callable[[Any], Any]:
 
 
 def build_eval_step(
-    module: JaxModule, hook: str = "eval_step", precision: str = "32-true"
+    module: JaxModule,
+    hook: str = "eval_step",
+    precision: str = "32-true",
+    dataloader_idx: int | None = None,
 ) -> Callable[[dict[str, Any], Metrics, Any, jax.Array], Metrics]:
     """Per-device eval step ``(variables, acc, batch, rows) -> acc`` running the
-    module's ``hook`` (``eval_step``, ``validation_step`` or ``test_step``)."""
+    module's ``hook`` (``eval_step``, ``validation_step`` or ``test_step``;
+    ``dataloader_idx`` passed to it with several loaders). A hook that logs
+    nothing is allowed, as in Lightning: its stage reports no values."""
 
     def jl_eval_step(variables, acc, batch, rows):
         mask, epoch = _unpack(rows)
         variables = {**variables, "params": for_compute(variables["params"], precision)}
         with module._collect_logs(hook, mask, epoch=epoch) as logged:
-            module._call_eval(hook, variables, for_compute(batch, precision))
-        if not logged:
-            raise ValueError(
-                f"{type(module).__name__}.{hook} logged nothing; call self.log(name, "
-                "value) in it for each metric to report"
-            )
+            module._call_eval(hook, variables, for_compute(batch, precision), dataloader_idx)
         _, metrics = _reduced(_logged_metrics(logged, mask))
         return _merge(acc, metrics, hook)
 
