@@ -119,7 +119,7 @@ class GaussianData(jl.DataModule):
 class GanCLI(jl.cli.LightningCLI):
     def after_fit(self) -> None:
         self.fit_metrics = dict(self.trainer.callback_metrics)  # predict starts them afresh
-        fake = self.trainer.predict(self.model, datamodule=self.datamodule)
+        fake = self.trainer.predict(self.model, datamodule=self.datamodule, concatenate=True)
         self.mean_error = float(np.abs(fake.mean() - MEAN))
         self.std = float(fake.std(0).mean())
         print(

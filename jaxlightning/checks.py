@@ -309,8 +309,15 @@ def module_hooks(module: Any, *hooks: str) -> None:
     _jax_module(module)
     for hook in hooks:
         if not type(module)._overrides(hook):
+            why = (
+                " (its setup(stage) is Lightning's set-up hook, so the variables come "
+                "from configure_model(self, rng, batch), e.g. "
+                "`return self.net.init(rng, batch[0])`)"
+                if hook == "configure_model"
+                else ""
+            )
             raise NotImplementedError(
-                f"{type(module).__name__} does not define {hook}(); the Trainer "
+                f"{type(module).__name__} does not define {hook}(){why}; the Trainer "
                 f"needs it here. See JaxModule.{hook} for its signature"
             )
     lightning_signatures(module, hooks)
@@ -343,7 +350,7 @@ def nnx_model(module: Any) -> None:
                 "call it as model(x), without variables or rngs"
             )
         return
-    if cls._overrides("setup"):
+    if cls._overrides(cls._init_hook()):
         return
     held = [name for name, value in vars(module).items() if is_nnx(value)]
     if held:
@@ -361,7 +368,7 @@ def fit_module(module: Any, options: StepOptions) -> bool:
     nnx_model(module)
     manual = type(module)._overrides("training_step")
     objective = "training_step" if manual else "loss"
-    init = () if module._nnx_model() is not None else ("setup",)
+    init = () if module._nnx_model() is not None else (module._init_hook(),)
     module_hooks(module, *init, "configure_optimizers", objective)
     if manual and module._nnx_model() is not None:
         raise ValueError("manual optimization (training_step) of NNX models is not supported yet")

@@ -292,6 +292,11 @@ class JaxModule:
     def setup(self, rng: jax.Array, batch: Any) -> dict[str, Any]:
         """Once per run: returns the initial flax variables (linen).
 
+        A ``setup(self, stage)`` with one parameter is Lightning's hook instead:
+        called with ``"fit"``, ``"validate"``, ``"test"`` or ``"predict"`` when
+        each Trainer call starts (after the callbacks' ``setup``), and the
+        variables then come from `configure_model` (same arguments as here).
+
         Not needed for a Flax NNX model kept as ``self.model`` (built in
         ``__init__``): the Trainer splits it into its variables itself.
 
@@ -308,6 +313,36 @@ class JaxModule:
             f"{type(self).__name__} must define setup(self, rng, batch) returning "
             "flax variables, e.g. `return self.net.init(rng, batch['x'])`"
         )
+
+    def configure_model(self, rng: jax.Array, batch: Any) -> dict[str, Any]:
+        """Instead of ``setup(rng, batch)`` when ``setup`` is Lightning's
+        ``setup(self, stage)``: returns the initial flax variables, as `setup`
+        describes (traced once, ``batch`` one device's share of the first
+        training batch)."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.setup(stage) is Lightning's set-up hook, so the "
+            "variables come from configure_model(self, rng, batch): define it, e.g. "
+            "`return self.net.init(rng, batch['x'])`"
+        )
+
+    def teardown(self, stage: str) -> None:
+        """After every Trainer call (``"fit"``, ``"validate"``, ``"test"``,
+        ``"predict"``), also a failing one (Lightning's hook)."""
+
+    @classmethod
+    def _stage_setup(cls) -> bool:
+        """Whether ``setup`` is Lightning's ``setup(self, stage)`` (one parameter):
+        then the Trainer calls it with the stage and the variables come from
+        `configure_model`."""
+        if not cls._overrides("setup"):
+            return False
+        params = list(inspect.signature(cls.setup).parameters.values())[1:]
+        return len(params) == 1 and params[0].kind is not params[0].VAR_POSITIONAL
+
+    @classmethod
+    def _init_hook(cls) -> str:
+        """The hook that returns the initial variables: ``setup`` or ``configure_model``."""
+        return "configure_model" if cls._stage_setup() else "setup"
 
     def configure_optimizers(self) -> optax.GradientTransformation:
         """Returns the optax transformation that updates ``params``."""
@@ -419,7 +454,8 @@ class JaxModule:
         from jaxlightning.training.nnx import is_nnx
 
         model = getattr(self, "model", None)
-        return model if is_nnx(model) and not type(self)._overrides("setup") else None
+        cls = type(self)
+        return model if is_nnx(model) and not cls._overrides(cls._init_hook()) else None
 
     def _streams(self) -> tuple[str, ...]:
         return self._nnx.streams if self._nnx is not None else self.rng_streams

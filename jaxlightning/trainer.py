@@ -611,14 +611,23 @@ class Trainer:
         dataloaders: Any = None,
         *,
         datamodule: Any = None,
+        return_predictions: bool | None = None,
         ckpt_path: Any = None,
+        concatenate: bool = False,
     ) -> Any:
         """Runs ``predict_step`` over ``dataloaders`` (with ``ckpt_path``'s variables).
 
+        Args:
+            return_predictions: ``False`` returns ``None`` (Lightning's flag;
+                ``None`` means ``True``).
+            concatenate: return one output with a row per dataset example
+                instead of one per batch.
+
         Returns:
-            The outputs concatenated over batches, padding removed: one row per
-            dataset example, in order (numpy arrays, same pytree structure as
-            ``predict_step``'s output). A list of those for a list of loaders.
+            As Lightning: a list with one output per batch, its real rows (numpy
+            arrays, the pytree ``predict_step`` returns), in order; with
+            ``concatenate`` the batches joined (padding removed, dataset order).
+            A list of those for a list of loaders.
         """
         if datamodule is None and is_datamodule(dataloaders):  # predict(model, dm)
             datamodule, dataloaders = dataloaders, None
@@ -626,4 +635,5 @@ class Trainer:
         with self._stage("predict", module, datamodule):
             dataloaders = as_eval_loaders(stage_loaders("predict", dataloaders, datamodule))
             checks.module_hooks(module, "predict_step")
-            return self._evaluation.predict(module, dataloaders, ckpt_path)
+            out = self._evaluation.predict(module, dataloaders, ckpt_path, concatenate)
+        return None if return_predictions is False else out

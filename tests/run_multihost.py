@@ -186,7 +186,7 @@ def main(argv=None) -> None:
         with open(f"{args.record}.rank{jax.process_index()}.json", "w") as f:
             json.dump({"seen": data.seen, "global_step": trainer.global_step}, f)
     (val,) = trainer.validate(model, loader(vx, vy, 16))
-    pred = trainer.predict(model, loader(vx, vy, 16))
+    pred = trainer.predict(model, loader(vx, vy, 16), concatenate=True)
     # Under FSDP each process holds only its shards: gathered by every process.
     params = multihost_utils.process_allgather(trainer.state.params, tiled=True)
     if args.out and jax.process_index() == 0:

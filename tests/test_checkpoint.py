@@ -226,7 +226,7 @@ def test_load_from_checkpoint_rebuilds_module_for_inference(tmp_path):
         atol=1e-6,
     )
     fresh = LitMLP(lr=3e-3)
-    out = quiet_trainer().predict(fresh, loader(x, y, 16), ckpt_path=path)
+    out = quiet_trainer().predict(fresh, loader(x, y, 16), ckpt_path=path, concatenate=True)
     np.testing.assert_allclose(out["logits"], np_logits(model.variables["params"], x), atol=1e-4)
     val = quiet_trainer().validate(LitMLP(lr=3e-3), loader(x, y, 16), ckpt_path=path)[0]
     assert val["val/acc"] == pytest.approx((out["logits"].argmax(-1) == y).mean())

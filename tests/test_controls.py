@@ -138,7 +138,8 @@ def test_limit_val_test_and_predict_batches():
     tester = quiet_trainer(limit_test_batches=3, limit_predict_batches=0.25, callbacks=[count])
     tester.test(model, loader(x, y, 8))
     assert count.test_batches == 3
-    assert tester.predict(model, loader(x, y, 8))["logits"].shape == (16, 10)  # 2 batches
+    predicted = tester.predict(model, loader(x, y, 8), concatenate=True)
+    assert predicted["logits"].shape == (16, 10)  # 2 batches
 
 
 def test_num_sanity_val_steps_draws_that_many_batches_before_training():

@@ -25,7 +25,7 @@ def test_autoencoder_beats_the_mean_image(tmp_path, capsys):
     assert cli.mse < 0.85 * cli.baseline
     out = capsys.readouterr().out
     assert f"tensorboard --logdir {tmp_path / 'lightning_logs'}" in out
-    codes = cli.trainer.predict(cli.model, datamodule=cli.datamodule)
+    codes = cli.trainer.predict(cli.model, datamodule=cli.datamodule, concatenate=True)
     assert codes.shape == (360, 3)  # one 3-number code per validation image
 
 

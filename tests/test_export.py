@@ -19,7 +19,8 @@ def test_an_export_runs_in_a_fresh_process_without_the_module_as_predict(tmp_pat
     x, y = digits(90)
     module = LitMLP()
     quiet_trainer(max_epochs=1, devices=2).fit(module, loader(x[:64], y[:64], 16))
-    expected = quiet_trainer(devices=2).predict(module, loader(x, y, 16))["logits"]
+    predicted = quiet_trainer(devices=2).predict(module, loader(x, y, 16), concatenate=True)
+    expected = predicted["logits"]
     path = module.export(tmp_path / "mlp.jlx", (x[:16], y[:16]))
 
     # Another batch size than the example's, in a process that never imports

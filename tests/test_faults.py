@@ -360,7 +360,7 @@ def test_predict_on_a_shuffled_loader_returns_dataset_order():
     trainer.fit(model, loader(x, y, 8))
     shuffled = DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), 8, shuffle=True)
     with pytest.warns(UserWarning, match="predict reads it in dataset order"):
-        out = trainer.predict(model, shuffled)
+        out = trainer.predict(model, shuffled, concatenate=True)
     np.testing.assert_allclose(out["logits"], np_logits(model.variables["params"], x), atol=1e-4)
 
 

@@ -179,5 +179,5 @@ def test_grain_validates_and_predicts_in_its_order():
     assert metrics == reference
     logits = np_logits(params, vx)
     assert float(metrics["val/acc"]) == pytest.approx((logits.argmax(-1) == vy).mean(), abs=1e-7)
-    predicted = trainer.predict(trainer.lightning_module, val)
+    predicted = trainer.predict(trainer.lightning_module, val, concatenate=True)
     np.testing.assert_allclose(predicted["logits"], logits, atol=1e-4)

@@ -411,7 +411,7 @@ def test_trainer_model_hook_system_predict(tmp_path):
     callback = HookedCallback(called)
     batches = 2
     trainer = _trainer(tmp_path, [callback], limit_predict_batches=batches)
-    out = trainer.predict(model, _data(4))
+    out = trainer.predict(model, _data(4), concatenate=True)
     _check_recorder(called, callback, model)
     assert out["logits"].shape == (batches * 16, 10)
     expected = [

@@ -246,7 +246,7 @@ def test_a_lightning_datamodule_works_as_datamodule():
     assert dm.prepared and trainer.datamodule is dm
     assert trainer.global_step == 3 * 10 and "val/acc" in trainer.callback_metrics
     (result,) = trainer.test(model, datamodule=dm)
-    out = trainer.predict(model, datamodule=dm)
+    out = trainer.predict(model, datamodule=dm, concatenate=True)
     assert out["logits"].shape == (40, 10) and 0 <= result["test/acc"] <= 1
     assert dm.stages == ["fit", "test", "predict"]
 
@@ -334,7 +334,7 @@ def test_a_datamodule_passed_where_loaders_go_is_used_as_datamodule():
     (by_position,) = trainer.validate(model, dm)
     (by_keyword,) = trainer.validate(model, datamodule=dm)
     assert by_position == by_keyword and 0 <= by_position["val/acc"] <= 1
-    assert trainer.predict(model, dm)["logits"].shape == (40, 10)
+    assert trainer.predict(model, dm, concatenate=True)["logits"].shape == (40, 10)
 
 
 def test_fit_takes_the_loaders_a_module_defines_itself():

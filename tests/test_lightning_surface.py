@@ -94,7 +94,7 @@ def test_test_and_predict_with_best_checkpoint_without_the_module(tmp_path):
     best = WithForward.load_from_checkpoint(checkpoint.best_model_path)
     logits = np_logits(best.variables["params"], VX)
     assert results["acc"] == pytest.approx(float(np.mean(logits.argmax(-1) == VY)))
-    out = trainer.predict(ckpt_path="best", datamodule=dm)
+    out = trainer.predict(ckpt_path="best", datamodule=dm, concatenate=True)
     np.testing.assert_allclose(out["logits"], logits, rtol=1e-4, atol=1e-4)
 
 
@@ -153,3 +153,77 @@ def test_model_summary_shows_sizes_of_example_input_array(capsys):
     jl.Trainer(max_steps=1, logger=False, enable_progress_bar=False,
                enable_checkpointing=False).fit(module, loader(X, Y, 16))  # fmt: skip
     assert "In sizes: [5, 64] -- Out sizes: [5, 10]" in capsys.readouterr().out
+
+
+class _StageSetup(LitMLP):
+    """Lightning's ``setup(stage)``; the variables from ``configure_model``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = []
+
+    def setup(self, stage):
+        self.calls.append(("setup", stage))
+
+    def teardown(self, stage):
+        self.calls.append(("teardown", stage))
+
+    def configure_model(self, rng, batch):
+        return self.net.init(rng, batch[0]) if self.init_variables is None else self.init_variables
+
+
+class _StageCallback(jl.Callback):
+    def setup(self, trainer, module, stage):
+        assert module is not None
+        self.stage = stage
+        module.calls.append(("callback", stage))
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate", "test", "predict"])
+def test_setup_is_called_with_the_stage(stage):
+    """trainer/test_trainer.py::test_trainer_setup_call: the module's setup(stage)
+    gets the stage, after the callbacks' (Lightning's order), and teardown(stage)
+    ends the call; the variables come from configure_model(rng, batch)."""
+    variables = init_mlp()
+    module, callback = _StageSetup(init_variables=variables), _StageCallback()
+    trainer = quiet_trainer(max_epochs=1, callbacks=[callback])
+    data = loader(X, Y, 16)
+    if stage == "fit":
+        trainer.fit(module, data)
+        assert trainer.global_step == 4
+    else:
+        out = getattr(trainer, stage)(module, data)
+        if stage == "predict":
+            got = np.concatenate([np.asarray(b["logits"]) for b in out])
+            np.testing.assert_allclose(got, np_logits(variables["params"], X), atol=1e-4)
+    assert callback.stage == stage
+    assert module.calls == [("callback", stage), ("setup", stage), ("teardown", stage)]
+
+
+def test_a_stage_setup_without_configure_model_says_what_to_define():
+    class NoModel(LitMLP):
+        def setup(self, stage):
+            pass
+
+    with pytest.raises(NotImplementedError, match=r"configure_model\(self, rng, batch\)"):
+        quiet_trainer(max_epochs=1).fit(NoModel(), loader(X, Y, 16))
+
+
+def test_predict_returns_a_list_of_per_batch_outputs():
+    """trainer/test_trainer.py::test_trainer_predict_* and
+    loops/test_prediction_loop.py: predict returns one output per batch, a list per
+    loader with several; return_predictions=False returns None; concatenate=True
+    gives one row per example (padding removed from the last, smaller batch)."""
+    variables = init_mlp()
+    module = LitMLP(init_variables=variables)
+    trainer = quiet_trainer()
+    expected = np_logits(variables["params"], X)
+    out = trainer.predict(module, loader(X, Y, 24))  # 64 rows: 24, 24, 16
+    assert isinstance(out, list) and [len(b["logits"]) for b in out] == [24, 24, 16]
+    for i, batch in enumerate(out):
+        np.testing.assert_allclose(batch["logits"], expected[24 * i : 24 * i + 24], atol=1e-4)
+    two = trainer.predict(module, [loader(X, Y, 32), loader(VX, VY, 16)])
+    assert [len(per_loader) for per_loader in two] == [2, 1]
+    assert trainer.predict(module, loader(X, Y, 24), return_predictions=False) is None
+    joined = trainer.predict(module, loader(X, Y, 24), concatenate=True)
+    np.testing.assert_allclose(joined["logits"], expected, atol=1e-4)

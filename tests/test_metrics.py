@@ -70,7 +70,7 @@ def test_several_val_loaders_get_dataloader_suffix(trained, val_data):
 def test_predict_returns_one_row_per_example_in_order(trained, val_data):
     trainer, model = trained
     x, y = val_data
-    out = trainer.predict(model, loader(x, y, BATCH))
+    out = trainer.predict(model, loader(x, y, BATCH), concatenate=True)
     assert out["logits"].shape == (VAL_N, 10)
     np.testing.assert_allclose(out["logits"], np_logits(model.variables["params"], x), atol=1e-4)
 

@@ -72,7 +72,7 @@ def test_trained_arrays_are_in_the_users_model_and_predict_uses_them():
     after = nnx.to_pure_dict(nnx.state(module.model, nnx.Param))
     assert max_abs_diff(after, module.variables["params"]) == 0.0
     assert max_abs_diff(after, before) > 1e-3
-    out = trainer.predict(module, loader(x, y, 16))
+    out = trainer.predict(module, loader(x, y, 16), concatenate=True)
     np.testing.assert_allclose(out["logits"], np.asarray(module.model(x)), atol=1e-5)
 
 

@@ -280,7 +280,7 @@ def test_a_loader_the_user_drops_is_not_kept_alive_by_the_trainer():
     model = LitMLP()
     loader = _digits_loader(256)
     trainer.fit(model, loader, loader)
-    out = trainer.predict(model, loader)
+    out = trainer.predict(model, loader, concatenate=True)
     assert out["logits"].shape == (len(loader.dataset), 10)
     dropped = weakref.ref(loader)
     del loader

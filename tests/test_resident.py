@@ -133,7 +133,7 @@ def test_arrays_go_where_loaders_go():
     (metrics,) = trainer.validate(module, (XV, YV))
     (on_loader,) = trainer.validate(module, loader(XV, YV, 16))
     assert metrics["val/acc"] == pytest.approx(on_loader["val/acc"], abs=1e-6)
-    out = trainer.predict(module, (XV,))
+    out = trainer.predict(module, (XV,), concatenate=True)
     expected = np.asarray(module.net.apply(module.variables, XV))
     np.testing.assert_allclose(out["logits"], expected, rtol=1e-5, atol=1e-5)
 

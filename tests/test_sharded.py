@@ -64,7 +64,8 @@ def test_fsdp_equals_data_parallel_after_20_steps_with_an_uneven_last_batch(dp_a
     (a,), (b,) = dp.validate(dp_module, val), fsdp.validate(fsdp_module, val)
     assert a["val/acc"] == b["val/acc"]
     assert a["val/loss"] == pytest.approx(b["val/loss"], abs=1e-5)
-    pa, pb = dp.predict(dp_module, val), fsdp.predict(fsdp_module, val)
+    pa = dp.predict(dp_module, val, concatenate=True)
+    pb = fsdp.predict(fsdp_module, val, concatenate=True)
     assert pb["logits"].shape == (45, 10)
     np.testing.assert_allclose(pa["logits"], pb["logits"], atol=1e-4)
 

@@ -203,9 +203,12 @@ class EvalLoop:
         return {n: metrics[n] for n in options}, options
 
     # ------------------------------------------------------------- predict
-    def predict(self, module: JaxModule, dataloaders: Any, ckpt_path: Any) -> Any:
-        """``predict_step`` outputs, one row per dataset example (a list of
-        those for a list of loaders)."""
+    def predict(
+        self, module: JaxModule, dataloaders: Any, ckpt_path: Any, concatenate: bool = False
+    ) -> Any:
+        """``predict_step`` outputs: a list with one entry per batch (its real
+        rows), or with ``concatenate`` one row per dataset example; a list of
+        those for a list of loaders."""
         if self.pipeline.schedule.limit_predict_batches is not None and jax.process_count() > 1:
             raise ValueError(
                 "limit_predict_batches is not supported in a multi-process run (predict "
@@ -220,6 +223,11 @@ class EvalLoop:
             self._predict_loader(module, ld, ckpt_path if i == 0 else None, limits[i])
             for i, ld in enumerate(loaders)
         ]
+        if concatenate:
+            outputs = [
+                jax.tree.map(lambda *xs: np.concatenate(xs), *out) if out else out
+                for out in outputs
+            ]
         self.hooks("on_predict_epoch_end", module)
         self.hooks("on_predict_end", module)
         return outputs if isinstance(dataloaders, (list, tuple)) else outputs[0]
@@ -238,10 +246,12 @@ class EvalLoop:
                 outputs.append((out, batch.host.real))
                 self.hooks("on_predict_batch_end", module, batch_idx)
             self.program.drain()
-        if jax.process_count() > 1:
-            return self._assemble(loader, [strategy.gather(o) for o, _ in outputs])
-        rows = [jax.tree.map(lambda x, n=n: x[:n], strategy.gather(o)) for o, n in outputs]
-        return jax.tree.map(lambda *xs: np.concatenate(xs), *rows)
+        if jax.process_count() > 1:  # every process's rows, cut into the loader's batches
+            whole = self._assemble(loader, [strategy.gather(o) for o, _ in outputs])
+            rows, size = len(jax.tree.leaves(whole)[0]), loader.batch_size
+            cut = range(0, rows, size)
+            return [jax.tree.map(lambda x, i=i: x[i : i + size], whole) for i in cut]
+        return [jax.tree.map(lambda x, n=n: x[:n], strategy.gather(o)) for o, n in outputs]
 
     def _assemble(self, loader: Any, gathered: list[Any]) -> Any:
         """Every process's rows, back in dataset order (multi-process runs)."""

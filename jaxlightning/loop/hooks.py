@@ -23,6 +23,7 @@ MODULE_HOOKS = frozenset(
         *(f"on_{s}_batch_{when}" for s in _STAGES for when in ("start", "end")),
         "on_save_checkpoint",
         "on_load_checkpoint",
+        "teardown",
     }
 )
 
@@ -51,7 +52,7 @@ class Hooks:
         Meanwhile the module knows which hook runs (``self.log``'s rules)."""
         with module._in_hook(hook):
             self._callbacks(hook, module, self.callbacks, *args)
-            if hook in MODULE_HOOKS:
+            if hook in MODULE_HOOKS or (hook == "setup" and module._stage_setup()):
                 return getattr(module, hook)(*args)
         return None
 

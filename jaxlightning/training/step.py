@@ -260,27 +260,30 @@ _HOST_ONLY_ERRORS = (
 
 
 def checked_setup(module: JaxModule, rng: jax.Array, example: Any) -> dict[str, Any]:
-    """``module.setup(rng, example)`` under a trace, its result checked."""
+    """``module.setup(rng, example)`` (``configure_model`` when ``setup`` is
+    Lightning's ``setup(stage)``) under a trace, its result checked."""
     if module._nnx is not None:
         return module._nnx.variables()
+    hook = module._init_hook()
+    where = f"{type(module).__name__}.{hook}()"
     try:
         with module._in_hook("setup"):
-            variables = module.setup(rng, example)
+            variables = getattr(module, hook)(rng, example)
     except _HOST_ONLY_ERRORS as exc:
         raise TypeError(
-            f"{type(module).__name__}.setup() runs traced (once, under jax.jit), so "
+            f"{where} runs traced (once, under jax.jit), so "
             "host-only code on its batch (np.asarray, float(), `if` on values) fails "
             f"there; use only shapes and dtypes of the batch. JAX said: {exc}"
         ) from exc
     if not isinstance(variables, Mapping):
         raise TypeError(
-            f"{type(module).__name__}.setup() returned {type(variables).__name__}; return "
+            f"{where} returned {type(variables).__name__}; return "
             "the flax variables dict, e.g. `return self.net.init(rng, batch[0])`"
         )
     for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]:
         if not isinstance(leaf, (jax.Array, np.ndarray, np.number, float, int)):
             raise TypeError(
-                f"{type(module).__name__}.setup() returned variables"
+                f"{where} returned variables"
                 f"{jax.tree_util.keystr(path)} of type {type(leaf).__name__}; every leaf "
                 "must be an array (keep other settings as module attributes)"
             )
