@@ -84,18 +84,34 @@ def test_clipping_applies_to_each_manual_optimization_step():
 def test_accumulating_4_batches_of_32_equals_batches_of_128_on_8_devices(tmp_path):
     x, y = digits(200)  # 7 batches of 32 (the last of 8): updates after 4, then after 3
 
+    class Steps(jl.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_end(self, trainer, module, batch_idx):
+            self.seen.append(trainer.global_step)
+
     def fit(batch, **kw):
         module = LitMLP(init_variables=init_mlp(), lr=3e-3)
         trainer = quiet_trainer(max_epochs=2, log_every_n_steps=1, **kw)
         trainer.fit(module, loader(x, y, batch))
         return module.variables, trainer
 
+    steps = Steps()
     accumulated, trainer = fit(
-        32, accumulate_grad_batches=4, default_root_dir=tmp_path, enable_checkpointing=True
+        32,
+        accumulate_grad_batches=4,
+        default_root_dir=tmp_path,
+        enable_checkpointing=True,
+        callbacks=[steps, jl.ModelCheckpoint()],
     )
     whole, reference = fit(128)
     assert max_abs_diff(accumulated, whole) < 1e-5
     assert trainer.global_step == reference.global_step == 4  # optimizer updates
+    # Lightning steps the optimizer on the epoch's last batch with the partial
+    # window (training_epoch_loop._should_accumulate: "Lightning steps on the
+    # final batch"): that batch's hooks already see the update.
+    assert steps.seen == [0, 0, 0, 1, 1, 1, 2] + [2, 2, 2, 3, 3, 3, 4]
     assert max_abs_diff(trainer.state.opt_state, reference.state.opt_state) < 1e-5
     from jaxlightning.io.checkpoint import complete_checkpoints, read_meta
 

@@ -67,6 +67,7 @@ class FitLoop:
         self.log_every_n_steps = log_every_n_steps
         self.num_sanity_val_steps = num_sanity_val_steps
         self.guard = guard
+        self._epoch_runs_out = False  # this epoch ends at its loader's end (not max_steps)
         self.validate_at_epoch_end = False
         self._last_validation = 0.0  # monotonic time of the last validation (duration rule)
 
@@ -170,6 +171,8 @@ class FitLoop:
         epoch_batches = self.pipeline.train_batches_per_epoch(loader)
         progress.num_training_batches = left = self.batches_left(loader, skip)
         progress.last_batch_idx = None if left is None else skip + left - 1
+        # whether the epoch's own end (not max_steps) ends its last batch
+        self._epoch_runs_out = left is not None and left == (epoch_batches or 0) - skip
         self.validate_at_epoch_end = self.schedule.validate_at_epoch_end(epoch, epoch_batches)
         if not skip:  # a run resumed mid-epoch continues the epoch its checkpoint began
             self.hooks("on_train_epoch_start", module)
@@ -255,6 +258,12 @@ class FitLoop:
         if self.hooks("on_train_batch_start", module, first_idx) == -1:
             return True  # the module skips the rest of the epoch (Lightning's -1)
         self.program.train_group([batch for _, batch in group])
+        # Lightning steps the optimizer at the epoch's last batch with what the
+        # accumulation window holds: before that batch's hooks, which see the update.
+        ends_epoch = group[-1][0] == progress.last_batch_idx and self._epoch_runs_out
+        partial = ends_epoch and (progress.micro + len(group)) % progress.accumulate != 0
+        if partial:
+            self.program.flush()
         last, skip_rest = len(group) - 1, False
         try:
             for i, (batch_idx, batch) in enumerate(group):
@@ -264,6 +273,8 @@ class FitLoop:
                     skip_rest = True  # trained in this dispatch already: ends after it
                 progress.train_samples_seen += batch.host.real
                 updated = progress.count_micro_batch()
+                if partial and i == last:
+                    updated = progress.end_partial_update()
                 progress.position = (epoch, batch_idx + 1)
                 if batch.state is not None:
                     progress.data_state = batch.state
