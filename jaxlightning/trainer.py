@@ -497,8 +497,6 @@ class Trainer:
         self.callbacks[:] = [c for c in self.callbacks if not isinstance(c, PlateauStepper)]
         if plateau is not None:  # configure_optimizers' ReduceLROnPlateau, for this fit
             self.callbacks.append(PlateauStepper(*plateau, self._program.set_plateau_scale))
-        if self.max_epochs != 1:
-            checks.reiterable(train, "train_dataloaders", passes="once per epoch")
         if ckpt_path is None and slurm.restarted():  # a requeued job goes on
             ckpt_path = "last" if self._last_exists() else None
         path = self._resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None

@@ -20,7 +20,9 @@ from jaxlightning.loop import program as startup_module
 from jaxlightning.training import compiling
 from tests.helpers import (
     LitMLP,
+    assert_bitwise_equal,
     digits,
+    init_mlp,
     loader,
     max_abs_diff,
     np_logits,
@@ -346,11 +348,29 @@ def test_max_epochs_minus_one_means_no_epoch_limit():
     assert trainer.global_step == 12 and trainer.current_epoch == 3
 
 
-def test_a_generator_as_loader_is_refused_with_what_to_pass():
+def test_one_pass_training_data_trains_one_pass_and_a_second_epoch_is_named():
+    # Lightning trains on any iterable, a generator or an iterator too (one pass):
+    # the pass is one epoch, or is cut by max_steps; an epoch that needs the data
+    # again is a clear error here (Lightning would run an empty epoch).
     x, y = digits(32)
-    batches = ((x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8))
+
+    def batches():
+        return ((x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8))
+
+    def fit(data, **kwargs):
+        module = LitMLP(init_variables=init_mlp())
+        trainer = quiet_trainer(**kwargs)
+        trainer.fit(module, data)
+        return trainer, module.variables
+
+    reference, expected = fit([(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)], max_epochs=1)
+    trainer, got = fit(batches(), max_epochs=1)
+    assert trainer.global_step == reference.global_step == 4
+    assert_bitwise_equal(got, expected)
+    trainer, _ = fit(iter(loader(x, y, 8)), max_steps=3)  # max_epochs unset: the steps end it
+    assert trainer.global_step == 3
     with pytest.raises(TypeError, match=r"train_dataloaders is a generator, which can be"):
-        quiet_trainer(max_epochs=2).fit(LitMLP(), batches)
+        fit(batches(), max_epochs=2)
 
 
 def test_predict_on_a_shuffled_loader_returns_dataset_order():

@@ -106,6 +106,7 @@ class Pipeline:
         self.seed = seed
         self.own_order = own_order
         self.shuffle_train = shuffle_train
+        self._spent: Iterator[Any] | None = None  # one-pass train data, once read
         # user loader -> {role: what the Trainer iterates for it}; weak, so a
         # loader the user drops is not kept alive (with its workers) by the Trainer
         self._wrapped: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -132,7 +133,18 @@ class Pipeline:
     # ---------------------------------------------------------------- passes
     def train_epoch(self, loader: Any, epoch: int, skip: int = 0) -> Batches:
         """Epoch ``epoch``'s training batches from batch ``skip`` on (at most the
-        limited count per epoch); the first is ready on return."""
+        limited count per epoch); the first is ready on return. A one-pass
+        iterable (a generator) trains one epoch; a second is a clear error."""
+        if isinstance(loader, Iterator):
+            if self._spent is loader:
+                raise TypeError(
+                    f"train_dataloaders is a {type(loader).__name__}, which can be iterated "
+                    f"only once: its pass ended with an epoch, and epoch {epoch} (counting "
+                    "from 0) needs it again. Stop within its one pass (max_epochs=1, or a "
+                    "max_steps it reaches), or pass something that can be iterated again: a "
+                    "DataLoader, a list of batches, or an object whose __iter__ starts over"
+                )
+            self._spent = loader
         resident = self._resident(loader, "train", self.shuffle_train)
         self.data_path = "host" if resident is None else "device"
         if resident is not None:
