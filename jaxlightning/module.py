@@ -646,13 +646,6 @@ class JaxModule:
         training = self._hook in _TRAINING_HOOKS
         on_step = training if on_step is None else bool(on_step)
         on_epoch = (not training) if on_epoch is None else bool(on_epoch)
-        if not training and on_step:
-            raise ValueError(
-                f"self.log({name!r}, ..., on_step=True) in {self._hook}(): evaluation "
-                "values are reduced over the whole run, exactly across devices; per-batch "
-                "values would need a device-to-host copy per batch. Use on_epoch=True "
-                "(the default here)"
-            )
         if not (on_step or on_epoch):
             raise ValueError(
                 f"self.log({name!r}, ..., on_step=False, on_epoch=False) would report "

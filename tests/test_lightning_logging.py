@@ -21,6 +21,7 @@ from tests.helpers import (
     init_mlp,
     lightning_trainer,
     loader,
+    np_cross_entropy,
     np_logits,
     quiet_trainer,
 )
@@ -405,3 +406,35 @@ def test_one_loader_passes_no_dataloader_idx_and_a_silent_step_is_allowed():
     assert trainer.global_step == 4
     assert "acc" in trainer.callback_metrics  # training's values only
     assert trainer.validate(Silent(), loader(VX, VY, 8)) == [{}]
+
+
+def test_on_step_in_validation_logs_each_batch_and_the_epoch(tmp_path):
+    # trainer/logging_/test_eval_loop_logging.py::test_eval_logging_auto_reduce and
+    # ::test__validation_step__log: val_loss logged on_step and on_epoch gives
+    # val_loss_step per batch (at the batch's index), val_loss_epoch and val_loss;
+    # callback_metrics holds no step values of an evaluation.
+    variables = init_mlp()
+    vx, vy = digits(20, 500)  # batches of 8, 8, 4
+
+    class PerBatch(LitMLP):
+        def validation_step(self, variables, batch):
+            x, y = batch
+            logits = self.net.apply(variables, x)
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+            self.log("val_loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+
+    logger = jl.CSVLogger(str(tmp_path))
+    trainer = lightning_trainer(logger=logger)
+    results = trainer.validate(PerBatch(init_variables=variables), loader(vx, vy, 8))
+    losses = np_cross_entropy(np_logits(variables["params"], vx), vy)
+    batch_means = [losses[:8].mean(), losses[8:16].mean(), losses[16:].mean()]
+    assert set(trainer.callback_metrics) == {"val_loss", "val_loss_epoch"}
+    assert trainer.callback_metrics["val_loss"] == pytest.approx(losses.mean(), rel=1e-5)
+    assert trainer.logged_metrics["val_loss_epoch"] == pytest.approx(losses.mean(), rel=1e-5)
+    assert trainer.logged_metrics["val_loss_step"] == pytest.approx(batch_means[-1], rel=1e-5)
+    assert results[0]["val_loss_epoch"] == pytest.approx(losses.mean(), rel=1e-5)
+    logger.save()
+    rows = [r for r in _csv_rows(logger) if r.get("val_loss_step")]
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    got = [float(r["val_loss_step"]) for r in rows]
+    np.testing.assert_allclose(got, batch_means, rtol=1e-5)

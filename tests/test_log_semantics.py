@@ -151,13 +151,15 @@ def test_csv_holds_what_tensorboard_holds(run):
     assert csv_dir.endswith(os.path.join("csv", "version_0"))
 
 
-def test_on_step_in_evaluation_is_refused_with_the_reason():
+def test_a_rank_metric_per_batch_in_evaluation_is_refused_with_the_reason():
     class StepEval(LitMLP):
         def eval_step(self, variables, batch):
-            self.log("acc", 1.0, on_step=True)
+            x, y = batch
+            score = self.net.apply(variables, x)[:, 0]
+            self.log("rho", jl.metrics.SpearmanCorrCoef(score, y), on_step=True)
 
     x, y = digits(32)
-    with pytest.raises(ValueError, match=r"on_step=True\) in eval_step\(\): evaluation"):
+    with pytest.raises(ValueError, match=r"rank metric is computed over the whole evaluation"):
         quiet_trainer(max_steps=1).validate(StepEval(), loader(x, y, 16))
 
 

@@ -19,7 +19,7 @@ from jaxlightning.loop.reporter import Report, Reporter, report
 from jaxlightning.metrics.logged import LogOptions
 from jaxlightning.metrics.objects import Rows
 from jaxlightning.module import JaxModule
-from jaxlightning.training.step import Metrics
+from jaxlightning.training.step import Metrics, step_key
 
 _STAGE_PREFIX = {"validation": "val", "test": "test"}
 
@@ -140,8 +140,12 @@ class EvalLoop:
                 suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""
                 checkpoint = ckpt_path if i == 0 else None
                 index = i if len(loaders) > 1 else None  # Lightning passes it with several
-                metrics, options = self._evaluate_loader(
+                metrics, options, per_batch = self._evaluate_loader(
                     stage, module, loader, checkpoint, counts[i], index
+                )
+                # on_step=True values, each batch's own, fetched with the run's (one copy)
+                self.reporter.log_batches(
+                    [report(prefix, options, m, "step", suffix) for m in per_batch]
                 )
                 values = report(prefix, options, metrics, "epoch", suffix)
                 results.append(values.values)
@@ -176,7 +180,9 @@ class EvalLoop:
         ckpt_path: Any,
         limit: int | None,
         dataloader_idx: int | None = None,
-    ) -> tuple[Metrics, dict[str, LogOptions]]:
+    ) -> tuple[Metrics, dict[str, LogOptions], list[Metrics]]:
+        """The run's metrics on the host, their options, and each batch's own
+        metrics of the names logged with ``on_step=True``."""
         hook = eval_hook(module, stage)
         epoch = self.progress.current_epoch
         with self.pipeline.eval_pass(loader, f"the {stage} dataloader", limit, epoch) as batches:
@@ -185,13 +191,14 @@ class EvalLoop:
                 module, hook, batches.first, variables, dataloader_idx
             )
             ranked = [n for n, o in options.items() if o.metric is not None and o.metric.collects]
-            steps = []  # each step's rows of the rank metrics (on device until the end)
+            kept = ranked + [step_key(n) for n, o in options.items() if o.on_step]
+            steps = []  # each step's rank-metric rows and own values (on device until the end)
             for batch_idx, batch in enumerate(batches):
                 self.hooks(f"on_{stage}_batch_start", module, batch_idx)
                 out = eval_step(variables, acc, batch.data, batch.mask)
-                acc = {n: m for n, m in out.items() if n not in ranked}
-                if ranked:
-                    steps.append({n: out[n] for n in ranked})
+                acc = {n: m for n, m in out.items() if n in acc}
+                if kept:
+                    steps.append({n: out[n] for n in kept})
                 self.program.throttle(out)
                 self.hooks(f"on_{stage}_batch_end", module, batch_idx)
             self.program.drain()
@@ -200,7 +207,8 @@ class EvalLoop:
         for name in ranked:
             formula = options[name].metric.empty().formula  # type: ignore[union-attr]
             metrics[name] = Rows.concatenate([s[name] for s in fetched], formula)
-        return {n: metrics[n] for n in options}, options
+        per_batch = [{n: s[step_key(n)] for n, o in options.items() if o.on_step} for s in fetched]
+        return {n: metrics[n] for n in options}, options, per_batch if kept != ranked else []
 
     # ------------------------------------------------------------- predict
     def predict(

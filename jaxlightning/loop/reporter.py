@@ -151,6 +151,20 @@ class Reporter:
             for logger in self.loggers:
                 logger.log_metrics(sent, step=self.progress.log_step_of(ahead))
 
+    def log_batches(self, reports: list[Report]) -> None:
+        """An evaluation's per-batch values (``on_step=True``) to the loggers, at
+        the batch's index in the run, as Lightning logs them; the last are in
+        ``logged_metrics`` (not in ``callback_metrics``: Lightning keeps
+        evaluation step values out of it)."""
+        if self._discard:
+            return
+        for batch_idx, values in enumerate(reports):
+            if not values.logged:
+                continue
+            self.logged_metrics = {**self.logged_metrics, **values.logged}
+            for logger in self.loggers:
+                logger.log_metrics(dict(values.logged), step=batch_idx)
+
     @contextlib.contextmanager
     def discarding(self) -> Iterator[None]:
         """Within the block (the sanity check), values reach ``callback_metrics``

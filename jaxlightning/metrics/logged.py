@@ -36,7 +36,7 @@ class LogOptions:
     """How one logged name is reduced and reported (Lightning's ``self.log`` keywords).
 
     Attributes:
-        on_step: report per logging interval (training only).
+        on_step: report per logging interval (training), per batch (evaluation).
         on_epoch: report the reduction over the whole epoch / evaluation run.
         prog_bar: show it in the progress bar.
         logger: send it to the loggers (``callback_metrics`` always has it).

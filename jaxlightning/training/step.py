@@ -539,6 +539,15 @@ def build_flush(tx: Any, options: StepOptions) -> Callable[[Any], Any]:
     return jl_flush
 
 
+_STEP = "\x00step"
+
+
+def step_key(name: str) -> str:
+    """The key of ``name``'s own per-batch value in an evaluation step's output
+    (``on_step=True``; beside the accumulated ``name``)."""
+    return name + _STEP
+
+
 def build_eval_step(
     module: JaxModule,
     hook: str = "eval_step",
@@ -556,7 +565,16 @@ def build_eval_step(
         with module._collect_logs(hook, mask, epoch=epoch) as logged:
             module._call_eval(hook, variables, for_compute(batch, precision), dataloader_idx)
         _, metrics = _reduced(_logged_metrics(logged, mask))
-        return _merge(acc, metrics, hook)
+        merged = _merge(acc, metrics, hook)
+        for name, (_, opts) in logged.items():  # on_step=True: this batch's own value too
+            if opts.on_step:
+                if opts.metric is not None and opts.metric.collects:
+                    raise ValueError(
+                        f"self.log({name!r}, <rank metric>, on_step=True) in {hook}(): a "
+                        "rank metric is computed over the whole evaluation; log it per epoch"
+                    )
+                merged[step_key(name)] = metrics[name]
+        return merged
 
     return jl_eval_step
 
