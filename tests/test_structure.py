@@ -126,10 +126,20 @@ def test_the_top_level_holds_only_the_public_faces():
     assert len(modules) <= 14, modules
 
 
+# The one exemption, each import guarded (a jax that moves it changes a figure
+# to a stated lower bound, never breaks a fit; the fallback is tested in
+# tests/test_step_cost.py): XLA's HLO parser and per-module cost analysis,
+# which no public JAX API offers, for the FLOPs of loop bodies.
+GUARDED_PRIVATE = {
+    "tuner/cost.py": {"jax._src.lib", "jax._src.lib._jax", "jaxlib", "jaxlib._hlo"},
+}
+
+
 def test_only_public_jax_apis_are_used():
     # jax._src and private attributes move between releases (the project
     # supports several): the package reaches JAX through its public modules only.
     for path in PACKAGE.rglob("*.py"):
+        allowed = GUARDED_PRIVATE.get(path.relative_to(PACKAGE).as_posix(), set())
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.ImportFrom) and node.module:
@@ -137,7 +147,7 @@ def test_only_public_jax_apis_are_used():
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             for name in names:
-                if name.split(".")[0] in ("jax", "jaxlib"):
+                if name.split(".")[0] in ("jax", "jaxlib") and name not in allowed:
                     assert not any(p.startswith("_") for p in name.split(".")), (
                         f"{path.relative_to(PACKAGE)} imports {name}"
                     )
