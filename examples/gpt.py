@@ -69,7 +69,9 @@ class Block(nn.Module):
             ).reshape(b, t, self.heads, hd)
             for name in ("query", "key", "value")
         )
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd).astype(np.float32)
+        # a Python float keeps the scores in q's dtype (bfloat16 under bf16-mixed;
+        # a float32 scalar would lift the rest of the block to float32)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / float(np.sqrt(hd))
         causal = jnp.tril(jnp.ones((t, t), bool))
         weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
         weights = nn.Dropout(self.dropout, deterministic=not train)(weights)
