@@ -116,6 +116,16 @@ def test_what_runs_in_the_step_imports_no_loop_data_callback_or_trainer():
     assert _imports_into("metrics", (*outward, "training")) == []
 
 
+def test_the_fit_loop_imports_no_callback_and_names_no_feature():
+    # Features subscribe to the state points (loop/state_points.py): the fit
+    # loop neither imports a callback nor branches on rollback.
+    assert _imports_into("loop.fit_loop", ("callbacks",)) == []
+    tree = ast.parse((PACKAGE / "loop" / "fit_loop.py").read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    assert not {"guard", "ModelCheckpoint", "RollbackGuard", "of_type"} & names
+
+
 def test_storage_and_cluster_code_import_neither_the_loop_nor_the_trainer():
     assert _imports_into("io", ("loop", "trainer", "tuner", "cli")) == []
     assert _imports_into("cluster", ("loop", "trainer", "tuner", "cli", "io", "data")) == []

@@ -154,11 +154,23 @@ class ModelCheckpoint(Callback):
     def on_train_start(self, trainer: TrainerView, module: JaxModule) -> None:
         self._last_time_checked = time.monotonic()
 
+    def wants_state_at(self, step: int) -> bool:
+        """Whether it saves after update ``step`` (``every_n_train_steps``): a
+        dispatch of several steps ends there, so the state saved is that step's."""
+        n = self.every_n_train_steps
+        return n >= 1 and step % n == 0
+
+    def on_stop_signal(self, trainer: TrainerView, module: JaxModule) -> str:
+        """SIGTERM/SIGINT ends the fit: saves a resume point at this step and
+        waits for it to be written; its path."""
+        path = self.save(trainer, module, resume_point=True)
+        self.finish(prune=True)
+        return path
+
     def on_train_batch_end(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:
         if self._writer is not None and self._pending is not None and not self._writer.saving:
             self._commit()  # a failed save surfaces here, at the next step boundary
-        n = self.every_n_train_steps
-        due = n >= 1 and trainer.global_step % n == 0
+        due = self.wants_state_at(trainer.global_step)
         # With several steps per dispatch the state is the batch's own only at a
         # dispatch's end (where every_n_train_steps ends one): time waits for it.
         timed = not trainer.steps_ahead and self._time_due()

@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from jaxlightning.callbacks import ModelCheckpoint
 from jaxlightning.cluster import distributed, slurm
 from jaxlightning.data import Batches, Pipeline
 from jaxlightning.loop.eval_loop import EvalLoop
@@ -18,7 +17,7 @@ from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.program import Program
 from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.reporter import Reporter, report
-from jaxlightning.loop.rollback_guard import RollbackGuard
+from jaxlightning.loop.state_points import StatePoints
 from jaxlightning.loop.stop import StopPolicy
 from jaxlightning.module import JaxModule
 from jaxlightning.schedule import Schedule
@@ -37,8 +36,9 @@ class FitLoop:
         schedule: when to validate.
         log_every_n_steps: report ``train/*`` values every this many updates.
         num_sanity_val_steps: validation batches run before training (-1: all).
-        guard: under ``on_nonfinite="rollback"``, checks the state where the
-            loop acts on it and goes back to the last good one.
+        points: where the loop lets the host act on the state, announced to
+            their subscribers (checkpoints that want a step's state, the
+            rollback guard, resume points on a stop signal).
     """
 
     def __init__(
@@ -54,7 +54,7 @@ class FitLoop:
         schedule: Schedule,
         log_every_n_steps: int,
         num_sanity_val_steps: int,
-        guard: RollbackGuard | None = None,
+        points: StatePoints,
     ) -> None:
         self.pipeline = pipeline
         self.program = program
@@ -66,7 +66,7 @@ class FitLoop:
         self.schedule = schedule
         self.log_every_n_steps = log_every_n_steps
         self.num_sanity_val_steps = num_sanity_val_steps
-        self.guard = guard
+        self.points = points
         self._epoch_runs_out = False  # this epoch ends at its loader's end (not max_steps)
         self.validate_at_epoch_end = False
         self._last_validation = 0.0  # monotonic time of the last validation (duration rule)
@@ -99,8 +99,7 @@ class FitLoop:
                 if epochs:
                     self.program.ready()  # a Timer counts training, not compiling
                     self.hooks("on_train_start", module)
-                if self.guard is not None:
-                    self.guard.mark_good()  # the state training starts from
+                self.points.start()  # the state training starts from
                 self._last_validation = self._clock()
                 for epoch in epochs:
                     # a stop asked for before the epoch (a used-up Timer) runs none of it
@@ -213,15 +212,15 @@ class FitLoop:
         ``done`` (1-based; the ``run``-th since the epoch (re)started)
         dispatches now: at ``steps_per_execution`` batches, or where the host
         acts on the state after its last batch (the epoch's or ``max_steps``'
-        last batch, a report, a validation counted in batches, a
-        ModelCheckpoint's ``every_n_train_steps``)."""
+        last batch, a report, a validation counted in batches, an update a
+        state-point subscriber wants: ModelCheckpoint's ``every_n_train_steps``)."""
         if size >= self.program.steps_per_execution:
             return True
         progress = self.progress
         if run == progress.num_training_batches:
             return True
         step, updated = progress.step_after(size)
-        if updated and (step % self.log_every_n_steps == 0 or self._checkpoint_due(step)):
+        if updated and (step % self.log_every_n_steps == 0 or self.points.wants_state_at(step)):
             return True
         schedule = self.schedule
         if val_loaders is None or not schedule.validates_in(epoch):
@@ -229,15 +228,6 @@ class FitLoop:
         return schedule.val_check_seconds is None and schedule.validate_after_batch(
             epoch, done, epoch_batches, progress.total_batches + size
         )
-
-    def _checkpoint_due(self, step: int) -> bool:
-        """Whether a `ModelCheckpoint` saves after update ``step`` (its
-        ``every_n_train_steps``)."""
-        for checkpoint in self.hooks.of_type(ModelCheckpoint):
-            n = checkpoint.every_n_train_steps
-            if n >= 1 and step % n == 0:
-                return True
-        return False
 
     def _train_group(
         self,
@@ -282,8 +272,8 @@ class FitLoop:
                 at_report = updated and progress.global_step % self.log_every_n_steps == 0
                 if at_report:
                     self._report_train()
-                elif self.guard and updated and self._checkpoint_due(progress.global_step):
-                    self.guard.checked()  # a bad state is never saved
+                elif updated and self.points.wants_state_at(progress.global_step):
+                    self.points.before_use()  # a bad state is never saved
                 self.stop.poll_signal(at_report)
                 self.hooks("on_train_batch_end", module, batch_idx)
                 if i == last and val_loaders is not None and not self.stop.signum:
@@ -312,8 +302,7 @@ class FitLoop:
         if done == total:
             self.validate_at_epoch_end = True
         else:
-            if self.guard is not None:
-                self.guard.checked()  # validate (and checkpoint) a good state only
+            self.points.before_use()  # validate (and checkpoint) a good state only
             # set first: a checkpoint saved in its on_validation_end resumes after it
             self.progress.validated = True
             self.evaluation.evaluate("validation", module, val_loaders)
@@ -351,14 +340,13 @@ class FitLoop:
     def _report_train(self) -> None:
         """Reports the values of this logging interval and starts the next one."""
         acc = self.program.fetch_metrics()
-        if self.guard is not None and self.guard.rolled_back(acc):
+        if self.points.rolled_back(acc):
             return  # the interval's values went with its state
         options, prefix = self.program.train_options, self.reporter.prefix("train")
         values = report(prefix, options, acc.metrics, "step")
         self.reporter.publish(values)
         self.program.reset_interval(acc)
-        if self.guard is not None:
-            self.guard.mark_good(values.values.get("train/loss"))
+        self.points.reported(values.values.get("train/loss"))
 
     def _end_train_epoch(self) -> None:
         """Reports the epoch's last (partial) interval and its ``on_epoch`` values.
@@ -369,7 +357,7 @@ class FitLoop:
         exactly as an uninterrupted run would.
         """
         acc = self.program.fetch_metrics()
-        if self.guard is not None and self.guard.rolled_back(acc):
+        if self.points.rolled_back(acc):
             acc = self.program.fetch_metrics()  # the good point's
         options = self.program.train_options
         prefix = self.reporter.prefix("train")
@@ -378,19 +366,13 @@ class FitLoop:
         self.reporter.publish(values)
         if self.progress.epoch_completed:
             self.program.reset_epoch()
-        if self.guard is not None:
-            self.guard.mark_good(values.values.get("train/loss"))
+        self.points.reported(values.values.get("train/loss"))
 
     def _stop_on_signal(self, module: JaxModule) -> None:
-        """Saves a resume point with every `ModelCheckpoint`, then exits."""
-        if self.guard is not None:
-            self.guard.checked()
+        """Has the state points' subscribers save their resume points, then exits."""
         signum, step = self.stop.signum, self.progress.global_step
         name = signal.Signals(signum).name
-        checkpoints = self.hooks.of_type(ModelCheckpoint)
-        paths = [c.save(self.hooks.view, module, resume_point=True) for c in checkpoints]
-        for c in checkpoints:
-            c.finish(prune=True)
+        paths = self.points.stop_signal(module)
         if not distributed.is_rank_zero():
             pass
         elif paths:

@@ -26,6 +26,7 @@ from jaxlightning.loop.program import Program
 from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.reporter import Reporter, as_loggers
 from jaxlightning.loop.rollback_guard import RollbackGuard
+from jaxlightning.loop.state_points import StatePoints
 from jaxlightning.loop.stop import StopPolicy
 from jaxlightning.schedule import Schedule, parse_max_time
 from jaxlightning.seed import default_seed
@@ -142,7 +143,9 @@ def wire(view: Any, resolve_ckpt_path: Callable[[Any], str], **args: Any) -> Par
         pipeline=pipeline, program=program, evaluation=evaluation, hooks=hooks,
         reporter=reporter, stop=stop, progress=progress, schedule=schedule,
         log_every_n_steps=log_every, num_sanity_val_steps=sanity,
-        guard=rollback and RollbackGuard(rollback, program, progress, reporter),
+        points=StatePoints(
+            hooks, [RollbackGuard(rollback, program, progress, reporter)] if rollback else []
+        ),
     )  # fmt: skip
     return Parts(
         fast_dev_run=fast_dev_run,
