@@ -80,9 +80,11 @@ def test_groups_train_log_and_validate_bitwise_as_one_step_per_dispatch(
     one, seen_one, csv_one = _fit(tmp_path, 1, data_on_device, **kwargs)
     compiles.reset()
     many, seen_many, csv_many = _fit(tmp_path, k, data_on_device, **kwargs)
-    # the group program ran (compiled once: shorter groups run step by step)
-    name = "jl_train_steps"
+    # the group program ran (compiled once: shorter groups run step by step); with
+    # the data on the device it gathers the group's rows itself (one dispatch)
+    name = "jl_resident_steps" if data_on_device else "jl_train_steps"
     assert compiles.matching(name) == 1, compiles.counts
+    assert compiles.matching("jl_resident_batches") == 0, compiles.counts
     assert many.global_step == one.global_step > 0
     assert _same_params(one, many)
     # every logged value at the same step, validations after the same batches

@@ -4,8 +4,9 @@ One program runs the compiled train step over a group of batches with
 `jax.lax.scan`, carrying the state and the metric accumulator from batch to
 batch exactly as k dispatches would: the same step, the same keys (they are
 derived from the state's step counter), the same order of merges, hence the
-same bits. What goes away is the host's per-step work: one dispatch, and for a
-dataset resident on the devices one gather, per group instead of per batch.
+same bits. What goes away is the host's per-step work: one dispatch per group
+instead of per batch, and for a dataset resident on the devices no gather
+dispatch at all (the group's rows are gathered inside its program).
 
 Groups shorter than k (ended early at a report, a validation, an epoch's end)
 compile once per length; a group of one uses the single step itself.
@@ -49,28 +50,31 @@ def host_steps(
     return jax.jit(jl_train_steps, in_shardings=(None, None, batch, batch), donate_argnums=(0,))
 
 
-def resident_batches(
-    replicated: jax.sharding.Sharding, batch: jax.sharding.Sharding
-) -> Callable[[Any, Any, Rows], tuple[tuple[Any, ...], tuple[Rows, ...]]]:
-    """``(data, indices, rows) -> (batches, rows)``: a group's batches of a
-    dataset resident on the devices (``data``, whole on every device), gathered
-    in one dispatch from their row ``indices`` (``(k, rows)``) with their `Rows`
-    (each ``(k, rows)``), placed as single batches are, for `host_steps`.
+def resident_steps(
+    step: Callable[..., Any], replicated: jax.sharding.Sharding, batch: jax.sharding.Sharding
+) -> Callable[[Any, Any, Any, Any, Rows], tuple[Any, Any]]:
+    """``(state, acc, data, indices, rows) -> (state, acc)``: ``step`` over a
+    group of batches of a dataset resident on the devices (``data``, whole on
+    every device), gathered from their row ``indices`` (``(k, rows)``) in the
+    same dispatch, with their `Rows` (each ``(k, rows)``).
 
-    The gather is a dispatch of its own: gathered inside the scanning program,
-    the batches' logged sums rounded differently on two CPU devices (1 ulp).
+    The gathered batches pass an optimization barrier before the scan: XLA
+    then cannot fuse the gather into the step's arithmetic, so each step
+    computes exactly as it does on a batch handed to it (fused, the batches'
+    logged sums once rounded differently on two CPU devices, by 1 ulp).
     """
     mesh = batch.mesh  # type: ignore[attr-defined]
     spec = batch.spec  # type: ignore[attr-defined]
     stacked = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec))
 
-    def jl_resident_batches(data, indices, rows):
-        k = indices.shape[0]
-        batches = tuple(
-            jax.tree.map(lambda d, i=i: jnp.take(d, indices[i], axis=0), data) for i in range(k)
-        )
-        return batches, tuple(jax.tree.map(lambda r, i=i: r[i], rows) for i in range(k))
+    def jl_resident_steps(state, acc, data, indices, rows):
+        gathered = jax.tree.map(lambda d: jnp.take(d, indices, axis=0), data)
+        gathered = jax.lax.with_sharding_constraint(gathered, stacked)
+        gathered, rows = jax.lax.optimization_barrier((gathered, rows))
+        return _scan(step, state, acc, (gathered, rows), lambda x: x)
 
     return jax.jit(
-        jl_resident_batches, in_shardings=(replicated, stacked, stacked), out_shardings=batch
+        jl_resident_steps,
+        in_shardings=(None, None, replicated, stacked, stacked),
+        donate_argnums=(0,),
     )

@@ -27,7 +27,7 @@ from jaxlightning.callbacks.plateau import PlateauScaleState
 from jaxlightning.data import DeviceBatch
 from jaxlightning.data.convert import Rows
 from jaxlightning.io.checkpoint import restore, restore_variables
-from jaxlightning.loop.multistep import host_steps, resident_batches
+from jaxlightning.loop.multistep import host_steps, resident_steps
 from jaxlightning.loop.progress import Progress
 from jaxlightning.module import JaxModule
 from jaxlightning.strategies import Strategy
@@ -404,20 +404,22 @@ class Program:
             for batch in batches:
                 self.train(batch)
             return
-        if "host" not in self._group_fns:  # a ShardMapStrategy's (checks.steps_per_execution)
-            sharded = self.strategy.batch_sharding  # type: ignore[attr-defined]
-            self._group_fns["host"] = host_steps(self._steps, sharded)
         resident = getattr(batches[0], "dataset", None)
         if resident is not None and all(getattr(b, "dataset", None) is resident for b in batches):
             if "resident" not in self._group_fns:
                 replicated, sharded = self.strategy.batch_placement  # type: ignore[misc]
-                self._group_fns["resident"] = resident_batches(replicated, sharded)
+                self._group_fns["resident"] = resident_steps(self._steps, replicated, sharded)
             indices = np.stack([b.indices for b in batches])
             rows = jax.tree.map(lambda *r: np.stack(r), *(b.rows for b in batches))
-            data, masks = self._group_fns["resident"](resident.data, indices, rows)
+            self._state, self._acc = self._group_fns["resident"](
+                self._state, self._acc, resident.data, indices, rows
+            )
         else:
+            if "host" not in self._group_fns:  # a ShardMapStrategy's (checks.steps_per_execution)
+                sharded = self.strategy.batch_sharding  # type: ignore[attr-defined]
+                self._group_fns["host"] = host_steps(self._steps, sharded)
             data, masks = tuple(b.data for b in batches), tuple(b.mask for b in batches)
-        self._state, self._acc = self._group_fns["host"](self._state, self._acc, data, masks)
+            self._state, self._acc = self._group_fns["host"](self._state, self._acc, data, masks)
         self.throttle(self._acc)
 
     def flush(self) -> None:
