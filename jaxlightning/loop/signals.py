@@ -38,6 +38,12 @@ class StopRequest:
             raise KeyboardInterrupt
         if signum == signal.SIGTERM:
             self.received_sigterm = True
+        if signum == signal.SIGINT and self.forward_to_sigterm:
+            # as SIGTERM: JAX's preemption service stops every process at the same
+            # step, the next one (not at the next logging interval)
+            self.signum = signum  # a second Ctrl-C still stops at once
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         if signum == self.requeue_signal:
             self.requeue = True
             if self.forward_to_sigterm:

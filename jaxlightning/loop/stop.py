@@ -74,12 +74,12 @@ class StopPolicy:
 
     def poll_signal(self, at_sync: bool) -> None:
         """Takes in a signal received since the last step, once per train step
-        (alone: at once; across processes: SIGTERM at the preemption service's
-        agreed step, without a collective, and SIGINT, the largest, at sync
-        points)."""
+        (alone: at once; across processes: SIGTERM and SIGINT, which is handed
+        to it as SIGTERM, at the preemption service's agreed step, without a
+        collective; the process that got SIGINT reports it as such)."""
         self._steps += 1
         if self._preemption and distributed.reached_preemption_point(self._steps):
-            self.signum = signal.SIGTERM
+            self.signum = self._request.signum or signal.SIGTERM
             return
         self.signum = distributed.agree_max(self._request.signum or 0, at_sync=at_sync)
 
