@@ -401,11 +401,10 @@ def fit_optimizer(
     Trainer's gradient clipping, transformed by callbacks that live in the
     optimizer (EMA); and the plateau scheduler it asked for, with the name it
     monitors (or ``None``)."""
-    if options.loss_scaled and (manual or options.accumulate_grad_batches > 1):
-        what = "manual optimization" if manual else "accumulate_grad_batches > 1"
+    if options.loss_scaled and manual:
         raise ValueError(
-            f"precision='16-mixed' with {what} is not supported yet (its loss scaling is "
-            "built into the automatic one-batch update); use 'bf16-mixed'"
+            "precision='16-mixed' with manual optimization is not supported yet (its loss "
+            "scaling is built into the automatic update); use 'bf16-mixed'"
         )
     tx, plateau = optimizer(module, manual=manual)
     tx = options.with_clipping(tx)

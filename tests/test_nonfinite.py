@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import numpy as np
+import optax
 import pytest
 
+import jaxlightning as jl
 from tests.helpers import (
     LitMLP,
     assert_bitwise_equal,
     digits,
+    init_mlp,
     loader,
+    max_abs_diff,
     quiet_trainer,
     trained_params,
 )
@@ -87,8 +91,56 @@ def test_float16_overflow_skips_the_update_and_halves_the_scale():
     assert np.isfinite(trainer.callback_metrics["train/loss"])
 
 
-def test_float16_mixed_refuses_what_its_loss_scaling_does_not_cover_yet():
+def test_float16_with_accumulation_equals_the_larger_batch_and_skips_overflowing_windows():
+    # Lightning's 16-mixed with accumulate_grad_batches (torch's GradScaler: one
+    # overflow check per optimizer step). 4 micro-batches of 16 are one update of a
+    # batch of 64 (to float16's rounding); a loss large enough to overflow the
+    # scaled float16 gradient spoils its whole window: no update, the scale halved.
+    x, y = digits(256)
+
+    def fit(module, batch, **kwargs):
+        trainer = quiet_trainer(
+            max_epochs=1, devices=2, precision="16-mixed", log_every_n_steps=99, **kwargs
+        )
+        trainer.fit(module, loader(x, y, batch))
+        return trainer
+
+    start = init_mlp()
+    accumulated = fit(LitMLP(lr=1e-3, init_variables=start), 16, accumulate_grad_batches=4)
+    whole = fit(LitMLP(lr=1e-3, init_variables=start), 64)
+    assert accumulated.global_step == whole.global_step == 4
+    # the initial scale 2**16 overflows the first windows alike (as GradScaler's
+    # first steps often do): the same updates skipped, the same scale after
+    assert int(accumulated.state.step) == int(whole.state.step) >= 1
+    assert float(accumulated.state.opt_state.scale) == float(whole.state.opt_state.scale)
+    assert max_abs_diff(accumulated.state.params, whole.state.params) < 1e-4
+    assert max_abs_diff(accumulated.state.params, start["params"]) > 1e-3
+
+    class LargeLoss(LitMLP):
+        def loss(self, variables, batch, rngs):
+            return super().loss(variables, batch, rngs) * 1000.0
+
+    large = fit(LargeLoss(lr=1e-3), 16, accumulate_grad_batches=4)
+    updates = int(large.state.step)
+    skipped_windows = large.global_step - updates
+    assert skipped_windows >= 1
+    assert float(large.state.opt_state.scale) == 2.0**16 / 2**skipped_windows
+
+
+def test_float16_mixed_refuses_manual_optimization_with_what_to_use():
+    class Manual(LitMLP):
+        loss = jl.JaxModule.loss  # optimizes manually instead
+
+        def training_step(self, optimizers, batch, rngs):
+            x, y = batch
+
+            def loss(params):
+                logits = self.net.apply({"params": params}, x)
+                return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+            optimizers.step(loss)
+
     x, y = digits(32)
-    trainer = quiet_trainer(max_steps=1, precision="16-mixed", accumulate_grad_batches=2)
-    with pytest.raises(ValueError, match="'16-mixed' with accumulate_grad_batches > 1"):
-        trainer.fit(LitMLP(), loader(x, y, 8))
+    trainer = quiet_trainer(max_steps=1, precision="16-mixed")
+    with pytest.raises(ValueError, match="'16-mixed' with manual optimization.*'bf16-mixed'"):
+        trainer.fit(Manual(), loader(x, y, 8))

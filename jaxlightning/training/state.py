@@ -11,6 +11,8 @@ import flax.struct
 import jax
 import optax
 
+from jaxlightning.training.loss_scale import next_scale
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -116,15 +118,27 @@ class AccumulatingState(TrainState):
         )
 
     def apply_accumulated(
-        self, tx: optax.GradientTransformation, skip_empty: bool = False
+        self,
+        tx: optax.GradientTransformation,
+        skip_empty: bool = False,
+        loss_scaled: bool = False,
     ) -> AccumulatingState:
         """One optimizer update with the mean gradient accumulated so far; starts
         over. With ``skip_empty``, no update when no row was accumulated (every
-        micro-batch was left out)."""
-        grads = jax.tree.map(lambda g: g / self.rows, self.grad_sum)
+        micro-batch was left out). With ``loss_scaled`` (``"16-mixed"``) the sum
+        is of scaled gradients: divided by the window's scale too, and a window
+        whose sum overflowed makes no update and halves the scale (torch's
+        ``GradScaler`` with accumulation: one check per optimizer step)."""
+        divisor = self.rows * self.opt_state.scale if loss_scaled else self.rows
+        grads = jax.tree.map(lambda g: g / divisor, self.grad_sum)
         updated = self.apply_gradients(tx, grads)
         if skip_empty:
             updated = keep_if(self.rows > 0, updated, self)
+        if loss_scaled:
+            leaves = jax.tree.leaves(grads)
+            finite = jax.numpy.all(jax.numpy.stack([jax.numpy.isfinite(g).all() for g in leaves]))
+            updated = keep_if(finite, updated, self)
+            updated = updated.replace(opt_state=next_scale(updated.opt_state, finite))
         return updated.replace(
             grad_sum=jax.tree.map(jax.numpy.zeros_like, self.grad_sum),
             rows=jax.numpy.zeros_like(self.rows),

@@ -454,11 +454,16 @@ def build_train_parts(
             state = state.accumulate(grads, n_real).replace(
                 model_state={**state.model_state, **updates}
             )
-            if options.skip_nonfinite:  # a bad micro-batch is left out of the mean
+            # a bad micro-batch is left out of the mean; under 16-mixed's loss
+            # scaling an overflow spoils its window instead (the update is skipped,
+            # the scale halved, when the window is applied)
+            if options.skip_nonfinite and not options.loss_scaled:
                 state = keep_if(finite, state, kept.replace(micro=state.micro))
             new_state = jax.lax.cond(
                 state.micro == k,
-                lambda s: s.apply_accumulated(tx, skip_empty=options.skip_nonfinite),
+                lambda s: s.apply_accumulated(
+                    tx, skip_empty=options.skip_nonfinite, loss_scaled=options.loss_scaled
+                ),
                 lambda s: s,
                 state,
             )
@@ -534,7 +539,9 @@ def build_flush(tx: Any, options: StepOptions) -> Callable[[Any], Any]:
     ends between two updates: Lightning updates with what it has)."""
 
     def jl_flush(state):
-        return state.apply_accumulated(tx)
+        return state.apply_accumulated(
+            tx, skip_empty=options.skip_nonfinite, loss_scaled=options.loss_scaled
+        )
 
     return jl_flush
 
