@@ -401,11 +401,6 @@ def fit_optimizer(
     Trainer's gradient clipping, transformed by callbacks that live in the
     optimizer (EMA); and the plateau scheduler it asked for, with the name it
     monitors (or ``None``)."""
-    if options.loss_scaled and manual:
-        raise ValueError(
-            "precision='16-mixed' with manual optimization is not supported yet (its loss "
-            "scaling is built into the automatic update); use 'bf16-mixed'"
-        )
     tx, plateau = optimizer(module, manual=manual)
     tx = options.with_clipping(tx)
     for callback in callbacks:
@@ -418,4 +413,6 @@ def fit_optimizer(
                 )
             if not manual:
                 tx = transform(tx)
-    return (with_loss_scale(tx) if options.loss_scaled else tx), plateau
+    if options.loss_scaled:  # manual: one scale in front of every group's optimizer
+        tx = tx._replace(loss_scaled=True) if manual else with_loss_scale(tx)
+    return tx, plateau

@@ -127,20 +127,47 @@ def test_float16_with_accumulation_equals_the_larger_batch_and_skips_overflowing
     assert float(large.state.opt_state.scale) == 2.0**16 / 2**skipped_windows
 
 
-def test_float16_mixed_refuses_manual_optimization_with_what_to_use():
-    class Manual(LitMLP):
-        loss = jl.JaxModule.loss  # optimizes manually instead
+class _Manual(LitMLP):
+    """LitMLP optimized manually: one optimizer step per batch, with an optional
+    factor on the loss."""
 
-        def training_step(self, optimizers, batch, rngs):
-            x, y = batch
+    loss = jl.JaxModule.loss  # optimizes manually instead
+    factor = 1.0
 
-            def loss(params):
-                logits = self.net.apply({"params": params}, x)
-                return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    def training_step(self, optimizers, batch, rngs):
+        x, y = batch
 
-            optimizers.step(loss)
+        def loss(params):
+            logits = self.net.apply({"params": params}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y) * self.factor
 
-    x, y = digits(32)
-    trainer = quiet_trainer(max_steps=1, precision="16-mixed")
-    with pytest.raises(ValueError, match="'16-mixed' with manual optimization.*'bf16-mixed'"):
-        trainer.fit(Manual(), loader(x, y, 8))
+        self.log("step_loss", optimizers.step(loss))
+
+
+def test_float16_with_manual_optimization_scales_each_step_as_gradscaler():
+    # Lightning's 16-mixed with manual optimization: the loss scaled before each
+    # backward pass, each optimizer step skipped on overflow and the one scale
+    # moved after it (torch's scaler.step + scaler.update per step).
+    x, y = digits(256)
+
+    def fit(module, precision):
+        trainer = quiet_trainer(max_epochs=1, devices=2, precision=precision, log_every_n_steps=99)
+        trainer.fit(module, loader(x, y, 16))
+        return trainer
+
+    start = init_mlp()
+    half = fit(_Manual(lr=1e-3, init_variables=start), "16-mixed")
+    full = fit(_Manual(lr=1e-3, init_variables=start), "32-true")
+    scale = half.state.opt_state.scale
+    assert half.global_step == full.global_step == 16
+    assert float(scale) <= 2.0**16  # the first steps overflow at 2**16, as GradScaler's do
+    assert max_abs_diff(half.state.params, full.state.params) < 2e-2
+    assert max_abs_diff(half.state.params, start["params"]) > 1e-3
+
+    large = _Manual(lr=1e-3, init_variables=start)
+    large.factor = 1000.0
+    trainer = fit(large, "16-mixed")
+    skipped = int(trainer.callback_metrics["train/skipped_updates"])
+    assert skipped >= 1
+    assert float(trainer.state.opt_state.scale) == 2.0**16 / 2**skipped
+    assert np.isfinite(trainer.callback_metrics["train/step_loss"])

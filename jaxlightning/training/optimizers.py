@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxlightning.training.loss_scale import INIT_SCALE, LossScaleState, next_scale
 from jaxlightning.training.losses import loss_terms, pmean_floats
 from jaxlightning.training.precision import for_compute
-from jaxlightning.training.state import TrainState, optimizer_update
+from jaxlightning.training.state import TrainState, keep_if, optimizer_update
 
 ALL = "*"  # the one group of a single transformation in manual optimization
 
@@ -103,12 +104,18 @@ class Groups(NamedTuple):
     state per group (``opt_state[key]``)."""
 
     txs: dict[str, optax.GradientTransformation]
+    loss_scaled: bool = False  # precision="16-mixed": one loss scale in front of them all
 
-    def init(self, params: Mapping[str, Any]) -> dict[str, Any]:
+    def init(self, params: Mapping[str, Any]) -> Any:
         check_groups(self.txs, params)
         if set(self.txs) == {ALL}:
-            return {ALL: self.txs[ALL].init(params)}
-        return {key: tx.init(params[key]) for key, tx in self.txs.items()}
+            states = {ALL: self.txs[ALL].init(params)}
+        else:
+            states = {key: tx.init(params[key]) for key, tx in self.txs.items()}
+        if not self.loss_scaled:
+            return states
+        scale = jnp.asarray(INIT_SCALE, jnp.float32)
+        return LossScaleState(scale, jnp.zeros((), jnp.int32), states)
 
 
 class Optimizers:
@@ -183,29 +190,41 @@ class Optimizers:
         if group not in self._txs:
             raise KeyError(f"optimizers.step(group={group!r}): the groups are {sorted(self._txs)}")
         state, everything = self.state, group == ALL
+        # 16-mixed: one loss scale (torch's GradScaler), moved after every step
+        scaled = isinstance(state.opt_state, LossScaleState)
+        states = state.opt_state.inner if scaled else state.opt_state
+        scale = state.opt_state.scale if scaled else None
 
         def objective(sub: Any) -> Any:
             params = sub if everything else {**state.params, group: sub}
             out = fn(for_compute(params, self._precision))
             total, count, updates = loss_terms(out, state.model_state, self._mask)
-            return total, (count, updates)
+            return (total if scale is None else total * scale), (total, count, updates)
 
         own = state.params if everything else state.params[group]
-        (total, (count, updates)), grads = jax.value_and_grad(objective, has_aux=True)(own)
+        (_, (total, count, updates)), grads = jax.value_and_grad(objective, has_aux=True)(own)
         grads, total, count, summed = self._reduce((grads, total, count, updates))
-        grads = jax.tree.map(lambda g: g / count, grads)
+        grads = jax.tree.map(lambda g: g / (count if scale is None else count * scale), grads)
         updates = pmean_floats(summed, updates, jax.lax.axis_size(self._axis))
         deltas, opt_state = optimizer_update(
-            self._txs[group], grads, state.opt_state[group], own, value=total / count
+            self._txs[group], grads, states[group], own, value=total / count
         )
         new_own = optax.apply_updates(own, deltas)
-        model_state = {**state.model_state, **updates}
+        mean = total / count
+        finite = jnp.isfinite(mean)
+        if scaled:  # an overflowing step leaves this group as it was and halves the scale
+            finite = finite & jnp.all(
+                jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)])
+            )
+            new_own, opt_state = keep_if(finite, (new_own, opt_state), (own, states[group]))
+        states = {**states, group: opt_state}
         self.state = state.replace(
             params=new_own if everything else {**state.params, group: new_own},
-            opt_state={**state.opt_state, group: opt_state},
-            model_state=model_state,
+            opt_state=next_scale(state.opt_state._replace(inner=states), finite)
+            if scaled
+            else states,
+            model_state={**state.model_state, **updates},
         )
-        mean = total / count
-        self.finite = self.finite & jnp.isfinite(mean)
+        self.finite = self.finite & finite
         self.steps_taken.append(group)
         return mean

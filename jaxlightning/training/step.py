@@ -523,7 +523,9 @@ def build_train_step(
         _, metrics = _reduced(_logged_metrics(logged, mask))
         new_state = optimizers.state.replace(step=state.step + 1)
         finite = optimizers.finite
-        if options.skip_nonfinite:
+        # (16-mixed: each optimizer step already left its group as it was on an
+        # overflow, and moved the scale, which must not be undone here)
+        if options.skip_nonfinite and not options.loss_scaled:
             new_state = keep_if(finite, new_state, state)
         return new_state, _merge_checked(
             acc, metrics, new_state.step, finite, "training_step", options
