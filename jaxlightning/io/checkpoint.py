@@ -37,6 +37,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxlightning.cluster import distributed
 from jaxlightning.io import storage
 
 FORMAT_VERSION = 1
@@ -173,14 +174,8 @@ class CheckpointWriter:
         # In object storage: staged here, uploaded by the checksum thread.
         self.remote = storage.resolve(dirpath) if storage.is_remote(dirpath) else None
         if self.remote is not None:
-            if jax.process_count() > 1:
-                raise CheckpointError(
-                    f"checkpoints in object storage ({self.remote}) are written by a single "
-                    "process; in a multi-process run give ModelCheckpoint(dirpath=...) a "
-                    "folder every process shares (a gcsfuse or s3 mount, say)"
-                )
             _check_writable(self.remote)
-            self.dirpath = tempfile.mkdtemp(prefix="jaxlightning-stage-")
+            self.dirpath = _staging_folder(self.remote)
         else:
             self.dirpath = os.path.abspath(dirpath)
             _check_writable(self.dirpath)
@@ -208,8 +203,11 @@ class CheckpointWriter:
         record["checksums"] = CHECKSUMS  # where they are (a dict: inside, as saved before)
         if jax.process_index() == 0:
             staged = os.path.join(self.dirpath, str(step))
-            upload_to = None if self.remote is None else self.path(step)
-            self._checksums = _Checksums(checksummed(state), staged, upload_to)
+            # several processes: each uploads its part once orbax is done (`wait`)
+            alone = self.remote is not None and jax.process_count() == 1
+            self._checksums = _Checksums(
+                checksummed(state), staged, self.path(step) if alone else None
+            )
         self._pending = step
         try:
             self._manager.save(
@@ -231,6 +229,8 @@ class CheckpointWriter:
         checksums computed)."""
         if self._pending is None:
             return False
+        if self.remote is not None and jax.process_count() > 1:
+            return True  # its parts are uploaded together, at the next save or close
         summing = self._checksums is not None and self._checksums.is_alive()
         return summing or self._manager.is_saving_in_progress()
 
@@ -252,7 +252,40 @@ class CheckpointWriter:
             summing.join()  # the folder is in place: its checksums follow at once
             if summing.error is not None:
                 self._failed(summing.error)
+        if self.remote is not None and jax.process_count() > 1:
+            self._upload_parts(self._pending)
         self._pending = None
+
+    def _upload_parts(self, step: int) -> None:
+        """A multi-process save into a bucket: every process uploads the files
+        it wrote (its shards, ``.../process_<i>/...``; process 0 the rest),
+        then, once all have (a barrier), process 0 uploads ``checksums.json``,
+        which completes the step. A process that dies before leaves the step
+        incomplete, never picked as "last"."""
+        index = jax.process_index()
+        local = os.path.join(self.dirpath, str(step))
+        if not os.path.isdir(local):  # another host's disk: orbax's temporary name stays
+            found = glob.glob(os.path.join(self.dirpath, f"{step}.orbax-checkpoint-tmp*"))
+            local = found[0] if found else ""
+        mine = re.compile(rf"(^|/)(ocdbt\.)?process_{index}(/|$)")
+        error: Exception | None = None
+        try:
+            if local and index == 0:
+                storage.upload(local, self.path(step), skip=(CHECKSUMS,))
+            elif local:
+                storage.upload(local, self.path(step), only=lambda rel: bool(mine.search(rel)))
+        except Exception as exc:
+            error = exc
+        # every part is in the bucket, or every process learns that one is not
+        if distributed.agree_max(int(error is not None)):
+            self._pending = step
+            self._failed(error or RuntimeError("another process's upload of its part failed"))
+        if index == 0:
+            try:
+                storage.upload(local, self.path(step), only=lambda rel: rel == CHECKSUMS)
+            except Exception as exc:
+                self._failed(exc)
+            shutil.rmtree(local, ignore_errors=True)
 
     def _failed(self, exc: BaseException) -> None:
         step, self._pending = self._pending, None
@@ -274,7 +307,8 @@ class CheckpointWriter:
 
     def delete(self, step: int) -> None:
         if self.remote is not None:
-            storage.remove_tree(self.path(step))
+            if jax.process_index() == 0:  # the one that uploads
+                storage.remove_tree(self.path(step))
             return
         self._manager.reload()
         self._manager.delete(step)
@@ -294,8 +328,28 @@ class CheckpointWriter:
                 if not self._reported:
                     raise CheckpointError(f"closing {self.dirpath} failed: {exc}") from exc
             finally:
-                if self.remote is not None:
+                if self.remote is not None and jax.process_index() == 0:
                     shutil.rmtree(self.dirpath, ignore_errors=True)
+
+
+def _staging_folder(remote: str) -> str:
+    """The local folder orbax writes a bucket's steps into before they are
+    uploaded. In a multi-process run every process stages at the same path
+    (its own disk on another host: each writes only its own part, and process
+    0, which holds the whole host copy of the state, uploads the step; the
+    others' folders hold no arrays), so orbax's cross-process protocol sees
+    one folder."""
+    if jax.process_count() == 1:
+        return tempfile.mkdtemp(prefix="jaxlightning-stage-")
+    digest = zlib.crc32(remote.encode())
+    job = os.environ.get("JAX_COORDINATOR_ADDRESS", "") + str(jax.process_count())
+    folder = os.path.join(
+        tempfile.gettempdir(), f"jaxlightning-stage-{digest:08x}-{zlib.crc32(job.encode()):08x}"
+    )
+    if jax.process_index() == 0:
+        shutil.rmtree(folder, ignore_errors=True)  # a staging folder left by a crash
+        os.makedirs(folder)
+    return folder
 
 
 def _write_json(path: str, value: Any) -> None:

@@ -142,17 +142,27 @@ def move(source: str, dest: str) -> None:
     remove_tree(source)
 
 
-def upload(local: str, url: str, *, last: tuple[str, ...] = ()) -> None:
+def upload(
+    local: str,
+    url: str,
+    *,
+    last: tuple[str, ...] = (),
+    skip: tuple[str, ...] = (),
+    only: Any = None,
+) -> None:
     """Copies the local folder ``local`` to ``url``, the files named in ``last``
-    after every other one: a reader that waits for those sees the rest whole."""
+    after every other one: a reader that waits for those sees the rest whole.
+    Files named in ``skip`` stay behind; with ``only`` (a predicate on the
+    relative path, ``/``-separated) just the files it accepts go."""
     fs, key = _fs(url)
     files = sorted(
-        os.path.relpath(os.path.join(root, name), local)
+        os.path.relpath(os.path.join(root, name), local).replace(os.sep, "/")
         for root, _, names in os.walk(local)
         for name in names
     )
+    files = [f for f in files if f not in skip and (only is None or only(f))]
     for rel in sorted(files, key=lambda r: r in last):
-        fs.put_file(os.path.join(local, rel), f"{key}/{rel.replace(os.sep, '/')}")
+        fs.put_file(os.path.join(local, *rel.split("/")), f"{key}/{rel}")
 
 
 @contextlib.contextmanager
