@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections import Counter
 
@@ -242,3 +245,43 @@ def bucket_fit(root, *, max_steps=-1, ckpt_path=None, logger=True) -> jl.Trainer
     module = LitMLP(lr=1e-2, init_variables=init_mlp())
     trainer.fit(module, loader(x, y, 32, shuffle=True), loader(vx, vy, 16), ckpt_path=ckpt_path)
     return trainer
+
+
+def two_process_job(*args) -> subprocess.CompletedProcess:
+    """``tests/run_multihost.py`` as a 2-process x 4-device job (the launcher)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [
+        sys.executable, "-m", "jaxlightning.launch", "--nprocs", "2", "--devices-per-proc", "4",
+        os.path.join(root, "tests", "run_multihost.py"), *map(str, args),
+    ]  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": ""}
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def job_params(npz_path) -> dict:
+    """The final params a `two_process_job` wrote (``--out``), as nested dicts."""
+    params: dict = {}
+    with np.load(npz_path) as f:
+        for key in (k for k in f.files if k.startswith("[")):
+            group, name = (part.strip("[]'") for part in key.split("]["))
+            params.setdefault(group, {})[name] = f[key]
+    assert sum(len(v) for v in params.values()) == 6  # the MLP's 3 kernels and 3 biases
+    return params
+
+
+def fsdp_digits_params(ckpt_path=None) -> dict:
+    """``run_multihost.py``'s training (2 epochs, global batch 64, FSDP) on this
+    process's 8 devices, from ``ckpt_path`` if given: its final params."""
+    x, y = digits(200)
+    trainer = jl.Trainer(
+        max_epochs=2, strategy="fsdp", logger=False, enable_progress_bar=False,
+        enable_checkpointing=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(LitMLP(lr=1e-2, init_variables=init_mlp()), loader(x, y, 64), ckpt_path=ckpt_path)
+    return trained_params(trainer)
+
+
+def assert_params_close(got: dict, expected: dict, atol: float = 1e-5) -> None:
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol)

@@ -22,14 +22,18 @@ from jaxlightning.io.checkpoint import (  # noqa: E402
     read_meta,
 )
 from jaxlightning.launch import free_port  # noqa: E402
-from tests.helpers import (
+from tests.helpers import (  # noqa: E402
     LitMLP,
     assert_bitwise_equal,
-    bucket_fit,  # noqa: E402
+    assert_params_close,
+    bucket_fit,
     digits,
+    fsdp_digits_params,
     init_mlp,
+    job_params,
     loader,
     trained_params,
+    two_process_job,
 )
 
 pytestmark = pytest.mark.slow  # the full suite only (pytest --full)
@@ -139,3 +143,29 @@ def test_a_gcs_bucket_that_does_not_exist_is_named_before_training(bucket):
     )
     with pytest.raises(CheckpointError, match=r"cannot write checkpoints to gs://no-such-bucket"):
         trainer.fit(LitMLP(lr=1e-2, init_variables=init_mlp()), loader(X, Y, 32))
+
+
+def test_a_two_process_fsdp_job_checkpoints_into_gcs_and_resumes_on_one_process(
+    bucket, tmp_path, monkeypatch
+):
+    """Issue 40, for gs://: the 2-process x 4-device FSDP job of the S3 test,
+    against the emulator (its processes reach it through fsspec's environment
+    settings), resumed by a 1 x 8 run equal to a straight one (to 1e-5)."""
+    url = os.environ["STORAGE_EMULATOR_HOST"]
+    monkeypatch.setenv("FSSPEC_GS_ENDPOINT_URL", url)  # for the job's processes
+    monkeypatch.setenv("FSSPEC_GS_TOKEN", "anon")
+    root = "gs://runs/multi"
+    ckpts = f"{root}/lightning_logs/version_0/checkpoints"
+    job = two_process_job(
+        "--root", root, "--strategy", "fsdp", "--epochs", "2", "--save-every", "4",
+        "--out", tmp_path / "straight2x4.npz",
+    )  # fmt: skip
+    assert job.returncode == 0, job.stdout[-3000:]
+    assert [int(p.rsplit("/", 1)[1]) for p in complete_checkpoints(ckpts)] == [4, 8]
+    prefix = "multi/lightning_logs/version_0/checkpoints/4/"
+    names = [b.name for b in bucket.list_blobs(prefix=prefix)]
+    assert any("ocdbt.process_1/" in n for n in names)
+    straight = fsdp_digits_params()
+    resumed = fsdp_digits_params(f"{ckpts}/4")
+    assert_params_close(resumed, straight)
+    assert_params_close(job_params(tmp_path / "straight2x4.npz"), straight)

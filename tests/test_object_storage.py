@@ -18,11 +18,15 @@ from jaxlightning.launch import free_port
 from tests.helpers import (
     LitMLP,
     assert_bitwise_equal,
+    assert_params_close,
     bucket_fit,
     digits,
+    fsdp_digits_params,
     init_mlp,
+    job_params,
     loader,
     trained_params,
+    two_process_job,
 )
 
 pytestmark = pytest.mark.slow  # the full suite only (pytest --full)
@@ -210,24 +214,6 @@ def test_a_step_whose_upload_was_cut_short_is_never_last(bucket):
     assert resumed.global_step == 4  # from step 3, not the incomplete 6
 
 
-def _launch_two_processes(*args):
-    """``tests/run_multihost.py`` as a 2-process x 4-device job (the launcher)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [
-        sys.executable, "-m", "jaxlightning.launch", "--nprocs", "2", "--devices-per-proc", "4",
-        os.path.join(root, "tests", "run_multihost.py"), *map(str, args),
-    ]  # fmt: skip
-    env = {**os.environ, "XLA_FLAGS": ""}
-    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-
-
-def _params_of(npz_path):
-    with np.load(npz_path) as f:
-        params = {k: f[k] for k in f.files if k.startswith("[")}
-    assert len(params) == 6  # the MLP's 3 kernels and 3 biases
-    return params
-
-
 def test_a_two_process_fsdp_job_checkpoints_into_the_bucket_and_resumes_on_any_count(
     bucket, tmp_path
 ):
@@ -237,7 +223,7 @@ def test_a_two_process_fsdp_job_checkpoints_into_the_bucket_and_resumes_on_any_c
     2-process job, each equal to a straight 1 x 8 run (2 x 4 = 1 x 8 to 1e-5)."""
     root = "s3://runs/multi"
     ckpts = f"{root}/lightning_logs/version_0/checkpoints"
-    first = _launch_two_processes(
+    first = two_process_job(
         "--root", root, "--strategy", "fsdp", "--epochs", "2", "--save-every", "2",
         "--out", tmp_path / "straight2x4.npz",
     )  # fmt: skip
@@ -247,32 +233,12 @@ def test_a_two_process_fsdp_job_checkpoints_into_the_bucket_and_resumes_on_any_c
     assert any("ocdbt.process_1/" in k for k in keys)  # process 1's shards, uploaded by it
     assert not os.path.exists("s3:")  # nothing written to a local folder named after the URL
 
-    def fit(ckpt_path=None):
-        trainer = jl.Trainer(
-            max_epochs=2, strategy="fsdp", logger=False, enable_progress_bar=False,
-            enable_checkpointing=False, num_sanity_val_steps=0,
-        )  # fmt: skip
-        trainer.fit(
-            LitMLP(lr=1e-2, init_variables=init_mlp()), loader(X, Y, 64), ckpt_path=ckpt_path
-        )
-        return trained_params(trainer)
-
-    straight = fit()
-    resumed = fit(f"{ckpts}/4")
-    for key, value in _params_of(tmp_path / "straight2x4.npz").items():
-        path = [part.strip("[]'") for part in key.split("][")]
-        expected = straight[path[0]][path[1]]
-        np.testing.assert_allclose(value, expected, atol=1e-5)
-    assert_close = np.testing.assert_allclose
-    for group in straight:
-        for name in straight[group]:
-            assert_close(resumed[group][name], straight[group][name], atol=1e-5)
-
-    again = _launch_two_processes(
+    straight = fsdp_digits_params()
+    assert_params_close(job_params(tmp_path / "straight2x4.npz"), straight)
+    assert_params_close(fsdp_digits_params(f"{ckpts}/4"), straight)
+    again = two_process_job(
         "--root", f"{root}-again", "--strategy", "fsdp", "--epochs", "2",
         "--ckpt-path", f"{ckpts}/4", "--out", tmp_path / "resumed2x4.npz",
     )  # fmt: skip
     assert again.returncode == 0, again.stdout[-3000:]
-    for key, value in _params_of(tmp_path / "resumed2x4.npz").items():
-        path = [part.strip("[]'") for part in key.split("][")]
-        np.testing.assert_allclose(value, straight[path[0]][path[1]], atol=1e-5)
+    assert_params_close(job_params(tmp_path / "resumed2x4.npz"), straight)
