@@ -193,6 +193,10 @@ class Trainer:
             rule, so Lightning's ``monitor=`` strings work unchanged. The
             Trainer's own values are always ``train/loss`` (and
             ``train/grad_norm``, ``train/skipped_updates``, ...).
+        recompile: a training batch whose shapes or dtypes differ from the
+            first one's (which would compile the step again): ``"warn"``
+            (default; once per new signature, naming the leaf and the batch),
+            ``"raise"`` (a `RecompileError`) or ``"allow"``.
     """
 
     def __init__(
@@ -237,6 +241,7 @@ class Trainer:
         enable_model_summary: bool = True,
         profiler: str | None = None,
         stage_prefix: bool = False,
+        recompile: str = "warn",
     ) -> None:
         parts = wire(self, self._resolve_ckpt_path, **_arguments(locals()))
         self.fast_dev_run, self.schedule = parts.fast_dev_run, parts.schedule
@@ -521,6 +526,7 @@ class Trainer:
         try:
             with contextlib.ExitStack() as threads:
                 batches = None
+                self._pipeline.signatures.reset()  # this fit's first batch sets the shapes
                 if training:
                     batches = self._pipeline.train_epoch(train, self.current_epoch, skip)
                     threads.callback(batches.close)

@@ -35,6 +35,7 @@ from jaxlightning.data.sampling import (
     set_worker_start,
     whole_batches,
 )
+from jaxlightning.data.signature import SignatureGuard
 from jaxlightning.data.stateful import Stamped, StatefulPass, iterates_statefully
 from jaxlightning.schedule import Schedule
 from jaxlightning.strategies import Strategy
@@ -93,6 +94,7 @@ class Pipeline:
         own_order: bool,
         shuffle_train: bool | None = None,
         data_on_device: bool | str = "auto",
+        recompile: str = "warn",
     ) -> None:
         if data_on_device not in ("auto", True, False):
             raise ValueError(
@@ -107,6 +109,7 @@ class Pipeline:
         self.own_order = own_order
         self.shuffle_train = shuffle_train
         self._spent: Iterator[Any] | None = None  # one-pass train data, once read
+        self.signatures = SignatureGuard(recompile)  # training batches' shapes
         # user loader -> {role: what the Trainer iterates for it}; weak, so a
         # loader the user drops is not kept alive (with its workers) by the Trainer
         self._wrapped: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -164,7 +167,9 @@ class Pipeline:
                 ordered = BatchSlice(ordered, 0, remaining)
             else:
                 total = min(total, remaining)
-        return self._start(ordered, "train_dataloaders", epoch, allow_empty=skip > 0, total=total)
+        return self._start(
+            ordered, "train_dataloaders", epoch, allow_empty=skip > 0, total=total, skip=skip
+        )
 
     def example_batch(self, loader: Any) -> DeviceBatch:
         """The first training batch of epoch 0, for shapes (a resumed epoch may
@@ -334,6 +339,7 @@ class Pipeline:
         allow_empty: bool = False,
         total: int | None = None,
         resident: ResidentDataset | None = None,
+        skip: int = 0,
     ) -> Batches:
         """Starts prefetching ``loader``; its first batch is ready on return.
 
@@ -348,12 +354,16 @@ class Pipeline:
         else:
             padder = Padder(self.strategy.num_local_shards, loader_batch_size(loader))
             put = self.strategy.put_batch
+            training = name == "train_dataloaders"
+            counter = itertools.count(skip)
 
             def prepare(raw: Any) -> DeviceBatch:
                 state = None
                 if isinstance(raw, Stamped):
                     raw, state = raw.batch, raw.state
                 host = padder.empty() if raw is _PAD_BATCH else padder(raw)
+                if training:  # a new shape would compile the step again: say where
+                    self.signatures.check(host.data, epoch, next(counter))
                 data, rows = put((host.data, Rows.of(host.mask, epoch)))
                 return DeviceBatch(host, data, rows, state)
 

@@ -131,6 +131,7 @@ def wire(view: Any, resolve_ckpt_path: Callable[[Any], str], **args: Any) -> Par
         own_order=args["use_distributed_sampler"],
         shuffle_train=False if args["overfit_batches"] else None,
         data_on_device=args["data_on_device"],
+        recompile=args["recompile"],
     )
     program = Program(
         strategy, options, seed=seed, progress=progress,

@@ -1,0 +1,89 @@
+"""The recompile guard: a training batch whose shapes or dtypes differ from
+the batch the train step was compiled for compiles it again (a recompile
+storm, when they vary every few batches) — or fails inside the model, far
+from the cause. `SignatureGuard` compares each training batch's host arrays
+with the first one's, leaf by leaf, and names the leaf that changed and the
+batch where it did (``Trainer(recompile="warn" | "raise" | "allow")``).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+
+RECOMPILE = ("warn", "raise", "allow")
+
+Signature = tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+class RecompileError(ValueError):
+    """A training batch would compile the train step again (``recompile="raise"``)."""
+
+
+def signature(data: Any) -> Signature:
+    """Each leaf of a host batch as ``(path, shape, dtype)``."""
+    return tuple(
+        (jax.tree_util.keystr(path), tuple(np.shape(leaf)), str(np.asarray(leaf).dtype))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(data)[0]
+    )
+
+
+def _difference(first: Signature, now: Signature) -> str:
+    """What changed from ``first`` to ``now``, leaf by leaf, in words."""
+    if [p for p, _, _ in first] != [p for p, _, _ in now]:
+        return (
+            f"its structure changed: leaves {[p for p, _, _ in now]}, were "
+            f"{[p for p, _, _ in first]}"
+        )
+    changes = [
+        f"batch{path} has shape {shape} {dtype}, was {shape0} {dtype0}"
+        for (path, shape0, dtype0), (_, shape, dtype) in zip(first, now, strict=True)
+        if (shape, dtype) != (shape0, dtype0)
+    ]
+    return "; ".join(changes)
+
+
+class SignatureGuard:
+    """Checks training batches against the first one of the fit (``policy``:
+    ``"warn"`` once per new signature, ``"raise"``, or ``"allow"``)."""
+
+    def __init__(self, policy: str = "warn") -> None:
+        if policy not in RECOMPILE:
+            raise ValueError(f"recompile={policy!r}: use one of {RECOMPILE}")
+        self.policy = policy
+        self.first: Signature | None = None
+        self._seen: set[Signature] = set()
+        self._lock = threading.Lock()  # batches are checked on the prefetch thread
+
+    def reset(self) -> None:
+        """A new fit: its first batch sets the signature."""
+        with self._lock:
+            self.first, self._seen = None, set()
+
+    def check(self, data: Any, epoch: int, batch_idx: int) -> None:
+        """Checks one training batch (host arrays), the ``batch_idx``-th of ``epoch``."""
+        if self.policy == "allow":
+            return
+        now = signature(data)
+        with self._lock:
+            if self.first is None:
+                self.first = now
+                return
+            if now == self.first or now in self._seen:
+                return
+            self._seen.add(now)
+            first = self.first
+        message = (
+            f"training batch {batch_idx} of epoch {epoch} differs from the batch the train "
+            f"step was compiled for: {_difference(first, now)}. Each new shape or dtype "
+            "compiles the step again (and a model whose parameters follow the input's width "
+            "fails). Give every batch the same shapes (pad, or bucket lengths to a few "
+            "sizes), or pass Trainer(recompile='allow')"
+        )
+        if self.policy == "raise":
+            raise RecompileError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
