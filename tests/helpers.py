@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -247,14 +248,17 @@ def bucket_fit(root, *, max_steps=-1, ckpt_path=None, logger=True) -> jl.Trainer
     return trainer
 
 
-def two_process_job(*args) -> subprocess.CompletedProcess:
-    """``tests/run_multihost.py`` as a 2-process x 4-device job (the launcher)."""
+def two_process_job(*args, **popen) -> Any:
+    """``tests/run_multihost.py`` as a 2-process x 4-device job (the launcher):
+    run to its end, or, with ``popen`` keywords, started (a `subprocess.Popen`)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [
         sys.executable, "-m", "jaxlightning.launch", "--nprocs", "2", "--devices-per-proc", "4",
         os.path.join(root, "tests", "run_multihost.py"), *map(str, args),
     ]  # fmt: skip
     env = {**os.environ, "XLA_FLAGS": ""}
+    if popen:
+        return subprocess.Popen(cmd, cwd=root, env=env, text=True, **popen)
     return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
 
 

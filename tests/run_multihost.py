@@ -34,6 +34,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=64, help="global batch size")
     p.add_argument("--shuffle", action="store_true")
     p.add_argument("--save-every", type=int, help="also checkpoint every N steps")
+    p.add_argument("--ckpt-dir", help="where --save-every's checkpoints go (default: the run's)")
     p.add_argument("--ckpt-path")
     p.add_argument("--record")
     p.add_argument(
@@ -163,7 +164,7 @@ def main(argv=None) -> None:
         enable_progress_bar=False,
         callbacks=[Slow()]
         + (
-            [jl.ModelCheckpoint(every_n_train_steps=args.save_every, save_top_k=-1)]
+            [jl.ModelCheckpoint(args.ckpt_dir, every_n_train_steps=args.save_every, save_top_k=-1)]
             if args.save_every
             else []
         ),

@@ -1,9 +1,11 @@
 """Runs kept in object storage: a real S3 server (moto's) on 127.0.0.1, dummy
 credentials, every metadata lookup off, so nothing here reaches past localhost."""
 
+import contextlib
 import csv
 import io
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -41,6 +43,15 @@ VX, VY = digits(45, offset=1000)
 
 @pytest.fixture(scope="module")
 def bucket():
+    with _moto_server() as (client, _):
+        client.create_bucket(Bucket="runs")
+        yield client
+
+
+@contextlib.contextmanager
+def _moto_server():
+    """moto's S3 server on a free port of 127.0.0.1, this process's environment
+    pointed at it: ``(client, server process)``."""
     port = free_port()
     env = {
         "AWS_ACCESS_KEY_ID": "testing",
@@ -70,9 +81,7 @@ def bucket():
         with pytest.MonkeyPatch.context() as mp:
             for key, value in env.items():
                 mp.setenv(key, value)
-            client = boto3.client("s3")
-            client.create_bucket(Bucket="runs")
-            yield client
+            yield boto3.client("s3"), server
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -242,3 +251,36 @@ def test_a_two_process_fsdp_job_checkpoints_into_the_bucket_and_resumes_on_any_c
     )  # fmt: skip
     assert again.returncode == 0, again.stdout[-3000:]
     assert_params_close(job_params(tmp_path / "resumed2x4.npz"), straight)
+
+
+def test_a_server_that_stops_answering_mid_run_is_a_clear_error_on_every_process(tmp_path):
+    """Issue 40's fault: the store goes away while a 2-process job checkpoints
+    into it every 2 steps. The next save's uploads fail; the processes agree on
+    it, so every process stops with a CheckpointError naming the step (none
+    waits for ever at a barrier) and the job ends."""
+    with _moto_server() as (client, server):
+        client.create_bucket(Bucket="faults")
+        proc = two_process_job(
+            "--root", tmp_path / "logs", "--epochs", "100", "--sleep-per-step", "0.3",
+            "--log-every", "50", "--save-every", "2", "--ckpt-dir", "s3://faults/ck",
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if re.match(r"\[rank 1\] step 5\b", line):
+                server.terminate()  # the store stops answering
+                server.wait(timeout=30)
+                break
+        out, _ = proc.communicate(timeout=240)  # no hang
+    out = "".join(lines) + out
+    assert proc.returncode != 0, out[-3000:]
+    assert "CheckpointError" in out, out[-3000:]
+    failed = re.findall(r"\[rank (\d)\].*saving the checkpoint of step (\d+)", out)
+    # every process names the failed save and the last complete step; the error
+    # that ends each one is that CheckpointError, not the store's own
+    assert {rank for rank, _ in failed} == {"0", "1"}, out[-3000:]
+    assert "The last complete checkpoint is s3://faults/ck/" in out, out[-3000:]
+    for rank in "01":
+        last = [ln for ln in out.splitlines() if ln.startswith(f"[rank {rank}]") and "Error" in ln]
+        assert last and "CheckpointError" in last[-1], out[-3000:]

@@ -211,14 +211,17 @@ class ModelCheckpoint(Callback):
 
     def teardown(self, trainer: TrainerView, module: JaxModule, stage: str) -> None:
         # After on_fit_end this finds nothing to do. When fit is failing, a failed
-        # pending save is reported as a warning (the first error is the one to
-        # see), and only complete checkpoints take part in pruning.
+        # pending save, or a store that no longer answers the pruning, is reported
+        # as a warning (the first error is the one to see), and only complete
+        # checkpoints take part in pruning.
         if stage != "fit":
             return
         try:
             self.finish(prune=True)
         except CheckpointError as exc:
             warnings.warn(str(exc), stacklevel=2)
+        except Exception as exc:
+            warnings.warn(f"pruning checkpoints failed: {type(exc).__name__}: {exc}", stacklevel=2)
 
     # ------------------------------------------------------------ when to check
     def _saves_on_train_epoch_end(self, trainer: TrainerView) -> bool:
