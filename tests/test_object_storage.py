@@ -284,3 +284,28 @@ def test_a_server_that_stops_answering_mid_run_is_a_clear_error_on_every_process
     for rank in "01":
         last = [ln for ln in out.splitlines() if ln.startswith(f"[rank {rank}]") and "Error" in ln]
         assert last and "CheckpointError" in last[-1], out[-3000:]
+
+
+def test_a_process_killed_before_its_part_is_in_leaves_no_step_last_picks(bucket):
+    """Issue 40's fault: a process dies between a save and its upload (which
+    happens at the next save): the step never gets checksums.json, so the
+    bucket's last complete step is the one before, and a run resumes there."""
+    ckpts = "s3://runs/killed/ck"
+    proc = two_process_job(
+        "--root", "s3://runs/killed", "--epochs", "100", "--sleep-per-step", "0.3",
+        "--log-every", "50", "--save-every", "2", "--ckpt-dir", ckpts,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    pids, lines = {}, []
+    for line in proc.stdout:
+        lines.append(line)
+        if m := re.match(r"\[launch\] rank (\d) pid (\d+)", line):
+            pids[int(m.group(1))] = int(m.group(2))
+        if re.match(r"\[rank 1\] step 5\b", line):  # step 4 saved, not yet uploaded
+            os.kill(pids[1], 9)
+            break
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode != 0, ("".join(lines) + out)[-3000:]
+    steps = [int(p.rsplit("/", 1)[1]) for p in complete_checkpoints(ckpts)]
+    assert steps == [2], steps  # step 4 (and anything later) never became complete
+    assert _keys(bucket, "killed/ck/2/") and not _keys(bucket, "killed/ck/4/checksums.json")
