@@ -56,3 +56,23 @@ def test_raise_stops_before_the_batch_is_trained_and_allow_is_silent():
 def test_an_unknown_policy_is_named():
     with pytest.raises(ValueError, match=r"recompile='sometimes': use one of"):
         quiet_trainer(recompile="sometimes")
+
+
+def test_an_evaluation_pass_is_checked_against_its_own_first_batch():
+    class PooledEval(Pooled):
+        def eval_step(self, variables, batch):
+            x, y = batch
+            super().eval_step(variables, (x.mean(1), y))
+
+    class OneLoader:  # a list would be several loaders to validate
+        def __iter__(self):
+            return iter(_batches([3, 3, 5]))
+
+    trainer = quiet_trainer(max_epochs=1, devices=1)
+    with pytest.warns(RuntimeWarning) as record:
+        trainer.validate(PooledEval(init_variables=None), OneLoader())
+    messages = [str(w.message) for w in record if "differs from the batch" in str(w.message)]
+    assert len(messages) == 1
+    assert "batch of the validation dataloader 2 differs" in messages[0]
+    assert "the evaluation step was compiled for" in messages[0]
+    assert "batch[0] has shape (32, 5, 64) float32, was (32, 3, 64) float32" in messages[0]

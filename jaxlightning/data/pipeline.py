@@ -355,6 +355,8 @@ class Pipeline:
             padder = Padder(self.strategy.num_local_shards, loader_batch_size(loader))
             put = self.strategy.put_batch
             training = name == "train_dataloaders"
+            # training: against the fit's first batch; an evaluation: its own first
+            guard = self.signatures if training else self.signatures.for_pass(name)
             counter = itertools.count(skip)
 
             def prepare(raw: Any) -> DeviceBatch:
@@ -362,8 +364,8 @@ class Pipeline:
                 if isinstance(raw, Stamped):
                     raw, state = raw.batch, raw.state
                 host = padder.empty() if raw is _PAD_BATCH else padder(raw)
-                if training:  # a new shape would compile the step again: say where
-                    self.signatures.check(host.data, epoch, next(counter))
+                if raw is not _PAD_BATCH:  # a new shape compiles the step again: say where
+                    guard.check(host.data, epoch, next(counter))
                 data, rows = put((host.data, Rows.of(host.mask, epoch)))
                 return DeviceBatch(host, data, rows, state)
 

@@ -1,5 +1,6 @@
-"""The recompile guard: a training batch whose shapes or dtypes differ from
-the batch the train step was compiled for compiles it again (a recompile
+"""The recompile guard: a batch whose shapes or dtypes differ from the batch
+the step was compiled for (training: the fit's first; an evaluation or
+prediction pass: its own first) compiles it again (a recompile
 storm, when they vary every few batches) — or fails inside the model, far
 from the cause. `SignatureGuard` compares each training batch's host arrays
 with the first one's, leaf by leaf, and names the leaf that changed and the
@@ -51,13 +52,23 @@ class SignatureGuard:
     """Checks training batches against the first one of the fit (``policy``:
     ``"warn"`` once per new signature, ``"raise"``, or ``"allow"``)."""
 
-    def __init__(self, policy: str = "warn") -> None:
+    def __init__(self, policy: str = "warn", what: str = "training batch") -> None:
         if policy not in RECOMPILE:
             raise ValueError(f"recompile={policy!r}: use one of {RECOMPILE}")
         self.policy = policy
+        self.what = what
         self.first: Signature | None = None
         self._seen: set[Signature] = set()
         self._lock = threading.Lock()  # batches are checked on the prefetch thread
+
+    def for_pass(self, name: str) -> SignatureGuard:
+        """A guard for one evaluation pass over ``name`` (its batches against its
+        first: each loader compiles the evaluation step for its own shapes)."""
+        return SignatureGuard(self.policy, f"batch of {name}")
+
+    @property
+    def training(self) -> bool:
+        return self.what == "training batch"
 
     def reset(self) -> None:
         """A new fit: its first batch sets the signature."""
@@ -77,8 +88,9 @@ class SignatureGuard:
                 return
             self._seen.add(now)
             first = self.first
+        where = f"{self.what} {batch_idx}" + (f" of epoch {epoch}" if self.training else "")
         message = (
-            f"training batch {batch_idx} of epoch {epoch} differs from the batch the train "
+            f"{where} differs from the batch the {'train' if self.training else 'evaluation'} "
             f"step was compiled for: {_difference(first, now)}. Each new shape or dtype "
             "compiles the step again (and a model whose parameters follow the input's width "
             "fails). Give every batch the same shapes (pad, or bucket lengths to a few "
