@@ -289,3 +289,18 @@ def assert_params_close(got: dict, expected: dict, atol: float = 1e-5) -> None:
     assert jax.tree.structure(got) == jax.tree.structure(expected)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol)
+
+
+def fsdp_job_into(root: str, out: Any, save_every: int) -> tuple[str, list[int]]:
+    """`two_process_job` training FSDP for 2 epochs with ``root`` as its run
+    folder, checkpointing every ``save_every`` steps and writing its final
+    params to ``out``: its checkpoint folder and the steps complete there."""
+    from jaxlightning.io.checkpoint import complete_checkpoints
+
+    job = two_process_job(
+        "--root", root, "--strategy", "fsdp", "--epochs", "2", "--save-every", save_every,
+        "--out", out,
+    )  # fmt: skip
+    assert job.returncode == 0, job.stdout[-3000:]
+    ckpts = f"{root}/lightning_logs/version_0/checkpoints"
+    return ckpts, [int(p.rsplit("/", 1)[1]) for p in complete_checkpoints(ckpts)]

@@ -29,11 +29,11 @@ from tests.helpers import (  # noqa: E402
     bucket_fit,
     digits,
     fsdp_digits_params,
+    fsdp_job_into,
     init_mlp,
     job_params,
     loader,
     trained_params,
-    two_process_job,
 )
 
 pytestmark = pytest.mark.slow  # the full suite only (pytest --full)
@@ -154,14 +154,8 @@ def test_a_two_process_fsdp_job_checkpoints_into_gcs_and_resumes_on_one_process(
     url = os.environ["STORAGE_EMULATOR_HOST"]
     monkeypatch.setenv("FSSPEC_GS_ENDPOINT_URL", url)  # for the job's processes
     monkeypatch.setenv("FSSPEC_GS_TOKEN", "anon")
-    root = "gs://runs/multi"
-    ckpts = f"{root}/lightning_logs/version_0/checkpoints"
-    job = two_process_job(
-        "--root", root, "--strategy", "fsdp", "--epochs", "2", "--save-every", "4",
-        "--out", tmp_path / "straight2x4.npz",
-    )  # fmt: skip
-    assert job.returncode == 0, job.stdout[-3000:]
-    assert [int(p.rsplit("/", 1)[1]) for p in complete_checkpoints(ckpts)] == [4, 8]
+    ckpts, steps = fsdp_job_into("gs://runs/multi", tmp_path / "straight2x4.npz", save_every=4)
+    assert steps == [4, 8]
     prefix = "multi/lightning_logs/version_0/checkpoints/4/"
     names = [b.name for b in bucket.list_blobs(prefix=prefix)]
     assert any("ocdbt.process_1/" in n for n in names)

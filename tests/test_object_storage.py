@@ -24,6 +24,7 @@ from tests.helpers import (
     bucket_fit,
     digits,
     fsdp_digits_params,
+    fsdp_job_into,
     init_mlp,
     job_params,
     loader,
@@ -231,13 +232,8 @@ def test_a_two_process_fsdp_job_checkpoints_into_the_bucket_and_resumes_on_any_c
     complete). A 1-process x 8-device run resumes from the bucket, and so does a
     2-process job, each equal to a straight 1 x 8 run (2 x 4 = 1 x 8 to 1e-5)."""
     root = "s3://runs/multi"
-    ckpts = f"{root}/lightning_logs/version_0/checkpoints"
-    first = two_process_job(
-        "--root", root, "--strategy", "fsdp", "--epochs", "2", "--save-every", "2",
-        "--out", tmp_path / "straight2x4.npz",
-    )  # fmt: skip
-    assert first.returncode == 0, first.stdout[-3000:]
-    assert [int(p.rsplit("/", 1)[1]) for p in complete_checkpoints(ckpts)] == [2, 4, 6, 8]
+    ckpts, steps = fsdp_job_into(root, tmp_path / "straight2x4.npz", save_every=2)
+    assert steps == [2, 4, 6, 8]
     keys = _keys(bucket, "multi/lightning_logs/version_0/checkpoints/4/")
     assert any("ocdbt.process_1/" in k for k in keys)  # process 1's shards, uploaded by it
     assert not os.path.exists("s3:")  # nothing written to a local folder named after the URL
