@@ -106,7 +106,7 @@ class EpochTimes(jl.Callback):
         self._start = time.perf_counter()
 
     def on_train_epoch_end(self, trainer, module) -> None:
-        jax.block_until_ready(trainer._program.live_state())
+        jax.block_until_ready(trainer._program.held.live_state())
         self.times.append(time.perf_counter() - self._start)
 
 

@@ -115,7 +115,7 @@ class StepWindow(jl.Callback):
     def on_train_batch_end(self, trainer, module, batch_idx) -> None:
         self.batches += 1
         if self.batches in (self.start, self.stop):
-            jax.block_until_ready(trainer._program.live_state())
+            jax.block_until_ready(trainer._program.held.live_state())
             now = time.perf_counter()
             if self.batches == self.start:
                 self.t0 = now

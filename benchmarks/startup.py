@@ -74,7 +74,7 @@ def main() -> None:
     class First(jl.Callback):
         def on_train_batch_end(self, trainer, module, batch_idx):
             if not first:
-                jax.block_until_ready(trainer._program.live_state())
+                jax.block_until_ready(trainer._program.held.live_state())
                 first.append(time.perf_counter())
 
     epochs = common.EpochTimes()

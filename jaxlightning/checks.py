@@ -18,6 +18,7 @@ import optax
 from jaxlightning.callbacks.plateau import ReduceLROnPlateau, plateau_scale
 from jaxlightning.callbacks.rollback import Rollback
 from jaxlightning.strategies.shard_map import ShardMapStrategy
+from jaxlightning.training import contract
 from jaxlightning.training.loss_scale import with_loss_scale
 from jaxlightning.training.optimizers import ALL, Groups, by_group
 from jaxlightning.training.step import StepOptions
@@ -109,7 +110,7 @@ def optimizer(module: Any, *, manual: bool = False) -> tuple[Any, Any]:
     (`optimizers.by_group` for `JaxModule.loss`; `optimizers.Groups` for
     manual optimization, which gets a single transformation as one group).
     """
-    with module._in_hook("configure_optimizers"):
+    with contract.in_hook(module, "configure_optimizers"):
         config = module.configure_optimizers()
     config, plateau = lightning_config(config, manual)
     tx = _optimizer(config, manual)
@@ -271,7 +272,7 @@ def batch_hook_signatures(module: Any) -> None:
     the compiled step)."""
     for hook in _BATCH_HOOKS:
         method = getattr(type(module), hook, None)
-        if method is None or not type(module)._overrides(hook):
+        if method is None or not contract.overrides(module, hook):
             continue
         params = [p for p in inspect.signature(method).parameters if p != "self"]
         if len(params) != 1:
@@ -308,7 +309,7 @@ def module_hooks(module: Any, *hooks: str) -> None:
     lacks a hook the Trainer needs; warns for Lightning-only hooks."""
     _jax_module(module)
     for hook in hooks:
-        if not type(module)._overrides(hook):
+        if not contract.overrides(module, hook):
             why = (
                 " (its setup(stage) is Lightning's set-up hook, so the variables come "
                 "from configure_model(self, rng, batch), e.g. "
@@ -339,7 +340,7 @@ def nnx_model(module: Any) -> None:
     from jaxlightning.training.nnx import is_nnx
 
     cls = type(module)
-    if module._nnx_model() is not None:
+    if contract.nnx_model(module) is not None:
         args = _required_args(cls.loss)
         if cls._overrides("loss") and len(args) > 2:
             raise TypeError(
@@ -366,13 +367,13 @@ def fit_module(module: Any, options: StepOptions) -> bool:
     """Checks ``module`` for `fit`; whether it optimizes manually (``training_step``)."""
     _jax_module(module)
     nnx_model(module)
-    manual = type(module)._overrides("training_step")
+    manual = contract.overrides(module, "training_step")
     objective = "training_step" if manual else "loss"
-    init = () if module._nnx_model() is not None else (module._init_hook(),)
+    init = () if contract.nnx_model(module) is not None else (contract.init_hook(module),)
     module_hooks(module, *init, "configure_optimizers", objective)
-    if manual and module._nnx_model() is not None:
+    if manual and contract.nnx_model(module) is not None:
         raise ValueError("manual optimization (training_step) of NNX models is not supported yet")
-    if manual and type(module)._overrides("loss"):
+    if manual and contract.overrides(module, "loss"):
         raise TypeError(
             f"{type(module).__name__} defines both loss() and training_step(); define "
             "loss() (one update from one loss) or training_step() (manual optimization)"

@@ -34,7 +34,7 @@ from jaxlightning.io.checkpoint import read_meta
 from jaxlightning.loggers import Logger
 from jaxlightning.loop import resume, signals
 from jaxlightning.loop.eval_loop import eval_hook
-from jaxlightning.loop.program import NonFiniteLossError
+from jaxlightning.loop.held_state import NonFiniteLossError
 from jaxlightning.loop.wiring import wire
 from jaxlightning.module import JaxModule
 from jaxlightning.strategies import Strategy
@@ -313,7 +313,7 @@ class Trainer:
         """A copy of the train state (one, unreplicated) that stays valid while
         training goes on; ``None`` before `fit`. Copies on the devices: read
         what you need and drop it."""
-        return self._program.state_copy()
+        return self._program.held.state_copy()
 
     @property
     def lightning_module(self) -> JaxModule | None:
@@ -337,24 +337,24 @@ class Trainer:
         (inputs, temporaries, outputs, peak), known before the step first runs
         (waits for its compile); ``None`` before `fit` or where the strategy
         compiles at the first call (``pmap``, several processes)."""
-        return self._program.train_cost() if self._program.started else None
+        return self._program.train_cost() if self._program.held.started else None
 
     def set_optimizer_state(self, kind: type, **values: Any) -> None:
         """Writes host ``values`` into the named fields of every ``kind`` node
         (a NamedTuple an optimizer transformation keeps as its state) in the
         train state: the next step reads them; nothing recompiles. For callbacks
         that steer a transformation they added (`StochasticWeightAveraging`)."""
-        if not self._program.started:
+        if not self._program.held.started:
             raise RuntimeError("set_optimizer_state needs a fit that has started")
-        self._program.set_optimizer_state(kind, **values)
+        self._program.held.set_optimizer_state(kind, **values)
 
     def map_state(self, fn: Callable[[TrainState], TrainState]) -> None:
         """Replaces the train state by ``fn(state)`` (traced once, run on the
         devices, the same on each); ``trainer.state`` and, after training, the
         module's variables then show the result."""
-        if not self._program.started:
+        if not self._program.held.started:
             raise RuntimeError("map_state needs a fit that has started")
-        self._program.map_state(fn)
+        self._program.held.map_state(fn)
 
     def recompute_batch_statistics(self) -> None:
         """During `fit`: sets the train state's ``batch_stats`` to the mean, over
@@ -362,9 +362,9 @@ class Trainer:
         state's parameters (torch's ``update_bn``; `StochasticWeightAveraging`
         calls it after putting the average in)."""
         module, loader = self._program.fit_module, self._train_loader
-        if module is None or loader is None or not self._program.started:
+        if module is None or loader is None or not self._program.held.started:
             raise RuntimeError("recompute_batch_statistics needs a running fit")
-        if "batch_stats" not in self._program.live_state().model_state:
+        if "batch_stats" not in self._program.held.live_state().model_state:
             raise ValueError(f"{type(module).__name__}'s variables have no 'batch_stats'")
         name = "the train dataloader (recomputing batch_stats)"
         with self._pipeline.eval_pass(loader, name, None, self.current_epoch) as batches:
@@ -374,7 +374,7 @@ class Trainer:
         """XLA's count of the last evaluation's compiled step on one device
         (validation, the sanity check's or test): ``None`` before any, under
         ``pmap`` and in multi-process runs."""
-        return self._program.eval_cost()
+        return self._program.steps.eval_cost()
 
     def checkpoint_payload(self, module: JaxModule) -> tuple[Any, dict[str, Any]]:
         """What a checkpoint of the run holds now: arrays and a JSON record.
@@ -383,7 +383,7 @@ class Trainer:
         a step since the last report had a non-finite loss, so a bad state is
         never saved.
         """
-        tree = self._program.checkpoint_tree()
+        tree = self._program.held.checkpoint_tree()
         meta = resume.checkpoint_record(
             self._hooks,
             module,
@@ -501,7 +501,7 @@ class Trainer:
         tx, plateau = checks.fit_optimizer(module, manual, self._program.options, self.callbacks)
         self.callbacks[:] = [c for c in self.callbacks if not isinstance(c, PlateauStepper)]
         if plateau is not None:  # configure_optimizers' ReduceLROnPlateau, for this fit
-            self.callbacks.append(PlateauStepper(*plateau, self._program.set_plateau_scale))
+            self.callbacks.append(PlateauStepper(*plateau, self._program.held.set_plateau_scale))
         if ckpt_path is None and slurm.restarted():  # a requeued job goes on
             ckpt_path = "last" if self._last_exists() else None
         path = self._resolve_ckpt_path(ckpt_path) if ckpt_path is not None else None
@@ -511,7 +511,7 @@ class Trainer:
         skip, self._pipeline.resume_state = resume.start_from(meta, self._progress, train)
         # A fresh run always builds its state, even to train 0 steps (max_steps=0
         # initialises the module); one that continues a run may have nothing left.
-        if path is not None or self._program.started:
+        if path is not None or self._program.held.started:
             per_epoch = self._pipeline.train_batches_per_epoch(train)
             reason = resume.nothing_left(self._progress, self.schedule, per_epoch, skip)
             if reason:
@@ -540,9 +540,9 @@ class Trainer:
                 self._fit_loop.run(module, train, val, batches, skip)
             self._hand_back(module)
             if training:
-                mapped = self._program.mapped
+                mapped = self._program.held.mapped
                 self._hooks("on_train_end", module)
-                if self._program.mapped != mapped:  # a callback replaced the state (SWA)
+                if self._program.held.mapped != mapped:  # a callback replaced the state (SWA)
                     self._hand_back(module)
         finally:
             self._train_loader = None
@@ -550,7 +550,7 @@ class Trainer:
 
     def _hand_back(self, module: JaxModule) -> None:
         """Gives ``module`` the train state's variables."""
-        module.variables = self._program.trained_variables()
+        module.variables = self._program.held.trained_variables()
         if module._nnx is not None:  # the user's NNX model holds the trained arrays
             module._nnx.update(module.model, module.variables)
 

@@ -15,6 +15,7 @@ from jaxlightning.callbacks.base import Callback
 from jaxlightning.cluster import distributed
 from jaxlightning.cluster.rank_zero import rank_zero_info
 from jaxlightning.schedule import parse_max_time
+from jaxlightning.training import contract
 from jaxlightning.training.nnx import is_nnx
 from jaxlightning.tuner.cost import peak_flops
 
@@ -77,7 +78,7 @@ def _in_out_sizes(trainer: TrainerView, module: JaxModule) -> str:
     """Lightning's "In sizes / Out sizes" of ``example_input_array`` through the
     module's ``forward`` (from shapes alone, nothing computed), or ``""``."""
     example = getattr(module, "example_input_array", None)
-    if example is None or not type(module)._overrides("forward"):
+    if example is None or not contract.overrides(module, "forward"):
         return ""
     args = example if isinstance(example, tuple) else (example,)
     if is_nnx(getattr(module, "model", None)):

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import serialization
 
+from jaxlightning.training import contract
+
 FORMAT = "jaxlightning-export/1"
 
 
@@ -38,7 +40,7 @@ def export_predict(
     """Writes ``module.predict_step`` with its variables to ``path``; see
     `jaxlightning.JaxModule.export`. Returns the path written."""
     if variables is None:
-        variables = module._current_variables()
+        variables = contract.current_variables(module)
     batch = jax.tree.map(np.asarray, example_batch)
     leaves = jax.tree.leaves(batch)
     rows = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
@@ -53,8 +55,8 @@ def export_predict(
     def predict(var_leaves: list[jax.Array], batch: Any) -> Any:
         variables = jax.tree.unflatten(var_tree, var_leaves)
         n = jax.tree.leaves(batch)[0].shape[0]
-        with module._collect_logs("predict_step", jnp.ones((n,), bool)):
-            return module._call_eval("predict_step", variables, batch)
+        with contract.collect_logs(module, "predict_step", jnp.ones((n,), bool)):
+            return contract.call_eval(module, "predict_step", variables, batch)
 
     if any_batch_size:
         (n,) = jax.export.symbolic_shape("batch")

@@ -19,6 +19,7 @@ from jaxlightning.loop.reporter import Report, Reporter, report
 from jaxlightning.metrics.logged import LogOptions
 from jaxlightning.metrics.objects import Rows
 from jaxlightning.module import JaxModule
+from jaxlightning.training import contract
 from jaxlightning.training.step import Metrics, step_key
 
 _STAGE_PREFIX = {"validation": "val", "test": "test"}
@@ -28,7 +29,7 @@ def eval_hook(module: JaxModule, stage: str) -> str:
     """The traced hook evaluating ``stage``: ``validation_step`` or ``test_step``
     where the module defines it, else ``eval_step``."""
     specific = {"validation": "validation_step", "test": "test_step"}[stage]
-    return specific if type(module)._overrides(specific) else "eval_step"
+    return specific if contract.overrides(module, specific) else "eval_step"
 
 
 def as_list(loaders: Any) -> list[Any]:
@@ -90,7 +91,7 @@ class EvalLoop:
         if val is None or not self.has_batches("validation", val):
             return None
         hook = eval_hook(module, "validation")
-        if not type(module)._overrides(hook):
+        if not contract.overrides(module, hook):
             warnings.warn(
                 "You passed in a `val_dataloader` but have no `validation_step` (nor "
                 "`eval_step`). Skipping val loop.",
@@ -187,7 +188,7 @@ class EvalLoop:
         epoch = self.progress.current_epoch
         with self.pipeline.eval_pass(loader, f"the {stage} dataloader", limit, epoch) as batches:
             variables = self._variables(module, batches.first, ckpt_path)
-            eval_step, acc, options = self.program.eval_step(
+            eval_step, acc, options = self.program.steps.eval_step(
                 module, hook, batches.first, variables, dataloader_idx
             )
             ranked = [n for n, o in options.items() if o.metric is not None and o.metric.collects]
@@ -199,11 +200,11 @@ class EvalLoop:
                 acc = {n: m for n, m in out.items() if n in acc}
                 if kept:
                     steps.append({n: out[n] for n in kept})
-                self.program.throttle(out)
+                self.program.held.throttle(out)
                 self.hooks(f"on_{stage}_batch_end", module, batch_idx)
-            self.program.drain()
-        metrics = self.program.fetch(acc)
-        fetched = self.program.fetch(steps)
+            self.program.held.drain()
+        metrics = self.program.held.fetch(acc)
+        fetched = self.program.held.fetch(steps)
         for name in ranked:
             formula = options[name].metric.empty().formula  # type: ignore[union-attr]
             metrics[name] = Rows.concatenate([s[name] for s in fetched], formula)
@@ -245,15 +246,15 @@ class EvalLoop:
         epoch = self.progress.current_epoch
         with self.pipeline.eval_pass(loader, "the predict dataloader", limit, epoch) as batches:
             variables = self._variables(module, batches.first, ckpt_path)
-            predict_step = self.program.predict_step(module)
+            predict_step = self.program.steps.predict_step(module)
             outputs = []
             for batch_idx, batch in enumerate(batches):
                 self.hooks("on_predict_batch_start", module, batch_idx)
                 out = predict_step(variables, batch.data, batch.mask)
-                self.program.throttle(out)
+                self.program.held.throttle(out)
                 outputs.append((out, batch.host.real))
                 self.hooks("on_predict_batch_end", module, batch_idx)
-            self.program.drain()
+            self.program.held.drain()
         if jax.process_count() > 1:  # every process's rows, cut into the loader's batches
             whole = self._assemble(loader, [strategy.gather(o) for o, _ in outputs])
             rows, size = len(jax.tree.leaves(whole)[0]), loader.batch_size

@@ -129,12 +129,12 @@ class FitLoop:
             # Wind down without letting a second failure (a logger on a full disk,
             # say) replace the error that stopped the run.
             with contextlib.suppress(Exception):
-                self.program.drain()
+                self.program.held.drain()
             self.reporter.finalize(quiet=True)
             raise
         finally:
             self.progress.fitting = False
-        self.program.drain()
+        self.program.held.drain()
         self.reporter.finalize()
 
     def batches_left(self, loader: Any, skip: int = 0) -> int | None:
@@ -339,13 +339,13 @@ class FitLoop:
 
     def _report_train(self) -> None:
         """Reports the values of this logging interval and starts the next one."""
-        acc = self.program.fetch_metrics()
+        acc = self.program.held.fetch_metrics()
         if self.points.rolled_back(acc):
             return  # the interval's values went with its state
         options, prefix = self.program.train_options, self.reporter.prefix("train")
         values = report(prefix, options, acc.metrics, "step")
         self.reporter.publish(values)
-        self.program.reset_interval(acc)
+        self.program.held.reset_interval(acc)
         self.points.reported(values.values.get("train/loss"))
 
     def _end_train_epoch(self) -> None:
@@ -356,16 +356,16 @@ class FitLoop:
         keeps them, so that a run resumed from its checkpoint continues them
         exactly as an uninterrupted run would.
         """
-        acc = self.program.fetch_metrics()
+        acc = self.program.held.fetch_metrics()
         if self.points.rolled_back(acc):
-            acc = self.program.fetch_metrics()  # the good point's
+            acc = self.program.held.fetch_metrics()  # the good point's
         options = self.program.train_options
         prefix = self.reporter.prefix("train")
         values = report(prefix, options, acc.metrics, "step")
         values.update(report(prefix, options, acc.epoch, "epoch"))
         self.reporter.publish(values)
         if self.progress.epoch_completed:
-            self.program.reset_epoch()
+            self.program.held.reset_epoch()
         self.points.reported(values.values.get("train/loss"))
 
     def _stop_on_signal(self, module: JaxModule) -> None:

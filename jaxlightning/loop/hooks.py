@@ -7,6 +7,7 @@ from typing import Any
 
 from jaxlightning.callbacks import Callback, EarlyStopping, ModelCheckpoint, TQDMProgressBar
 from jaxlightning.module import JaxModule
+from jaxlightning.training import contract
 
 _STAGES = ("train", "validation", "test", "predict")
 
@@ -50,9 +51,9 @@ class Hooks:
         """The callbacks' ``hook``, in order, then the module's (Lightning's order);
         returns what the module's returned (``on_train_batch_start``'s -1).
         Meanwhile the module knows which hook runs (``self.log``'s rules)."""
-        with module._in_hook(hook):
+        with contract.in_hook(module, hook):
             self._callbacks(hook, module, self.callbacks, *args)
-            if hook in MODULE_HOOKS or (hook == "setup" and module._stage_setup()):
+            if hook in MODULE_HOOKS or (hook == "setup" and contract.stage_setup(module)):
                 return getattr(module, hook)(*args)
         return None
 
@@ -60,7 +61,7 @@ class Hooks:
         """``on_train_epoch_end``: the callbacks, the module, then the monitoring
         callbacks, so that `ModelCheckpoint` and `EarlyStopping` see what the
         module logged in its hook (Lightning's order)."""
-        with module._in_hook("on_train_epoch_end"):
+        with contract.in_hook(module, "on_train_epoch_end"):
             others = [c for c in self.callbacks if not _monitors(c)]
             self._callbacks("on_train_epoch_end", module, others)
             module.on_train_epoch_end()

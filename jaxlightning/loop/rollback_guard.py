@@ -8,7 +8,7 @@ from typing import Any
 
 from jaxlightning.callbacks.rollback import Rollback, RollbackScaleState
 from jaxlightning.cluster import distributed
-from jaxlightning.loop.program import NonFiniteLossError, Program
+from jaxlightning.loop.held_state import HeldState, NonFiniteLossError
 from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.reporter import Report, Reporter
 from jaxlightning.metrics.logged import host_value
@@ -28,16 +28,16 @@ class RollbackGuard:
 
     Args:
         policy: the rule, the retries and the events.
-        program: holds the state (its copies are the good points).
+        held: the state (its copies are the good points).
         progress: rewound on a rollback (``global_step``; not the data position).
         reporter: gets ``train/rollbacks``.
     """
 
     def __init__(
-        self, policy: Rollback, program: Program, progress: Progress, reporter: Reporter
+        self, policy: Rollback, held: HeldState, progress: Progress, reporter: Reporter
     ) -> None:
         self.policy = policy
-        self.program = program
+        self.held = held
         self.progress = progress
         self.reporter = reporter
         self._good: Any = None  # (snapshot, global_step, micro)
@@ -49,7 +49,7 @@ class RollbackGuard:
         progress = self.progress
         if self._good is None or progress.total_batches > self._trained_at_good:
             self.policy.good(reported_loss)  # trained since: a rollback streak ends
-        self._good = (self.program.snapshot(), progress.global_step, progress.micro)
+        self._good = (self.held.snapshot(), progress.global_step, progress.micro)
         self._trained_at_good = progress.total_batches
 
     def rolled_back(self, acc: Any) -> bool:
@@ -69,7 +69,7 @@ class RollbackGuard:
     def checked(self) -> bool:
         """Checks the state now (a sync): goes back if it is bad, else marks it
         good; whether it went back."""
-        if self.rolled_back(self.program.fetch_metrics()):
+        if self.rolled_back(self.held.fetch_metrics()):
             return True
         self.mark_good()
         return False
@@ -86,7 +86,7 @@ class RollbackGuard:
                 f"rollbacks: {policy.events[-policy.max_retries :]}. Lower the learning rate "
                 "(Rollback(lr_factor=...)), clip gradients or check the data"
             )
-        self.program.restore(snapshot)
+        self.held.restore(snapshot)
         skipped = progress.total_batches - self._trained_at_good
         self._trained_at_good = progress.total_batches  # the batches since are not in it
         progress.global_step, progress.micro = step, micro
@@ -95,7 +95,7 @@ class RollbackGuard:
         progress.epoch_offset = step * progress.accumulate + micro - done
         if policy.lr_factor != 1.0:
             policy.lr_scale *= policy.lr_factor
-            self.program.set_optimizer_state(RollbackScaleState, scale=policy.lr_scale)
+            self.held.set_optimizer_state(RollbackScaleState, scale=policy.lr_scale)
         policy.events.append(
             {
                 "step": found,

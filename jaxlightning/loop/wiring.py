@@ -145,7 +145,7 @@ def wire(view: Any, resolve_ckpt_path: Callable[[Any], str], **args: Any) -> Par
         reporter=reporter, stop=stop, progress=progress, schedule=schedule,
         log_every_n_steps=log_every, num_sanity_val_steps=sanity,
         points=StatePoints(
-            hooks, [RollbackGuard(rollback, program, progress, reporter)] if rollback else []
+            hooks, [RollbackGuard(rollback, program.held, progress, reporter)] if rollback else []
         ),
     )  # fmt: skip
     return Parts(

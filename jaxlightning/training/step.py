@@ -19,6 +19,7 @@ reported.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -41,6 +42,7 @@ from jaxlightning.metrics.logged import (
     zero,
 )
 from jaxlightning.module import JaxModule
+from jaxlightning.training import contract
 from jaxlightning.training.loss_scale import LossScaleState, next_scale
 from jaxlightning.training.losses import loss_terms, pmean_floats
 from jaxlightning.training.optimizers import Groups, Optimizers
@@ -216,7 +218,7 @@ def _merge_checked(
 
 def is_manual(module: JaxModule) -> bool:
     """Whether ``module`` optimizes manually (`JaxModule.training_step`)."""
-    return type(module)._overrides("training_step")
+    return contract.overrides(module, "training_step")
 
 
 def _logged_names(
@@ -242,7 +244,7 @@ def _logged_names(
     def run(*args: Any) -> None:
         step = jnp.zeros((), jnp.int32) if hook in ("loss", "training_step") else None
         epoch = jnp.zeros((), jnp.int32)
-        with module._collect_logs(hook, jnp.ones(rows, bool), step, epoch) as logged:
+        with contract.collect_logs(module, hook, jnp.ones(rows, bool), step, epoch) as logged:
             (call or getattr(module, hook))(*args)
         names.update({name: opts for name, (_, opts) in logged.items()})
 
@@ -262,12 +264,13 @@ _HOST_ONLY_ERRORS = (
 def checked_setup(module: JaxModule, rng: jax.Array, example: Any) -> dict[str, Any]:
     """``module.setup(rng, example)`` (``configure_model`` when ``setup`` is
     Lightning's ``setup(stage)``) under a trace, its result checked."""
-    if module._nnx is not None:
-        return module._nnx.variables()
-    hook = module._init_hook()
+    graph = contract.nnx_graph(module)
+    if graph is not None:
+        return graph.variables()
+    hook = contract.init_hook(module)
     where = f"{type(module).__name__}.{hook}()"
     try:
-        with module._in_hook("setup"):
+        with contract.in_hook(module, "setup"):
             variables = getattr(module, hook)(rng, example)
     except _HOST_ONLY_ERRORS as exc:
         raise TypeError(
@@ -295,7 +298,7 @@ def zero_train_metrics(
 ) -> tuple[TrainMetrics, Options]:
     """An empty `TrainMetrics` for ``module``'s logs (``batch``: one device's
     shard), and the options of every name, ``"train/loss"`` included."""
-    rngs = {s: state.rng for s in module._streams()}
+    rngs = {s: state.rng for s in contract.streams(module)}
     if is_manual(module):
 
         def manual(state: Any, batch: Any, rngs: Any) -> None:
@@ -304,7 +307,14 @@ def zero_train_metrics(
 
         logged = _logged_names(module, "training_step", state, batch, rngs, call=manual)
     else:
-        logged = _logged_names(module, "loss", state.variables, batch, rngs, call=module._call_loss)
+        logged = _logged_names(
+            module,
+            "loss",
+            state.variables,
+            batch,
+            rngs,
+            call=functools.partial(contract.call_loss, module),
+        )
         logged[LOSS] = LOSS_OPTIONS
         if options.log_grad_norm:
             logged[GRAD_NORM] = GRAD_NORM_OPTIONS
@@ -333,7 +343,7 @@ def zero_eval_metrics(
     (a rank metric has none: its `Rows` are each step's output)."""
 
     def call(variables: Any, batch: Any) -> None:
-        module._call_eval(hook, variables, batch, dataloader_idx)
+        contract.call_eval(module, hook, variables, batch, dataloader_idx)
 
     options = _logged_names(module, hook, variables, batch, call=call)
     carried = {n: o for n, o in options.items() if o.metric is None or not o.metric.collects}
@@ -411,16 +421,18 @@ def build_train_parts(
         mask, epoch = _unpack(rows)
         # With accumulation every micro-batch gets its own keys.
         key_step = state.step if k == 1 else state.step * k + state.micro
-        rngs = device_keys(state.rng, key_step, module._streams())
+        rngs = device_keys(state.rng, key_step, contract.streams(module))
         scale = state.opt_state.scale if options.loss_scaled else None
 
         def objective(params):
             variables = {"params": for_compute(params, options.precision), **state.model_state}
             with (
-                module._collect_logs("loss", mask, state.step, epoch) as logged,
+                contract.collect_logs(module, "loss", mask, state.step, epoch) as logged,
                 computing(options.precision),
             ):
-                out = module._call_loss(variables, for_compute(batch, options.precision), rngs)
+                out = contract.call_loss(
+                    module, variables, for_compute(batch, options.precision), rngs
+                )
             total, count, updates = loss_terms(out, state.model_state, mask)
             metrics = _logged_metrics(logged, mask)
             metrics[LOSS] = Average(total=total, count=count)
@@ -500,15 +512,15 @@ def build_train_step(
 
     def jl_manual_train_step(state, acc, batch, rows):
         mask, epoch = _unpack(rows)
-        rngs = device_keys(state.rng, state.step, module._streams())
+        rngs = device_keys(state.rng, state.step, contract.streams(module))
 
         def reduce(tree: Any) -> Any:
             return across_devices(AXIS, {}, tree)[0]
 
         optimizers = Optimizers(tx, state, mask, reduce, AXIS, options.precision)
         with (
-            module._collect_logs("training_step", mask, state.step, epoch) as logged,
-            module._explaining_traced_counters("training_step"),
+            contract.collect_logs(module, "training_step", mask, state.step, epoch) as logged,
+            contract.explaining_traced_counters(module, "training_step"),
         ):
             out = module.training_step(optimizers, for_compute(batch, options.precision), rngs)
         if out is not None:
@@ -571,8 +583,10 @@ def build_eval_step(
     def jl_eval_step(variables, acc, batch, rows):
         mask, epoch = _unpack(rows)
         variables = {**variables, "params": for_compute(variables["params"], precision)}
-        with module._collect_logs(hook, mask, epoch=epoch) as logged:
-            module._call_eval(hook, variables, for_compute(batch, precision), dataloader_idx)
+        with contract.collect_logs(module, hook, mask, epoch=epoch) as logged:
+            contract.call_eval(
+                module, hook, variables, for_compute(batch, precision), dataloader_idx
+            )
         _, metrics = _reduced(_logged_metrics(logged, mask))
         merged = _merge(acc, metrics, hook)
         for name, (_, opts) in logged.items():  # on_step=True: this batch's own value too
@@ -603,18 +617,18 @@ def build_statistics_step(
         mask, epoch = _unpack(rows)
         sums, n = acc
         model_state = {k: v for k, v in variables.items() if k != "params"}
-        rngs = device_keys(jax.random.key(seed), n, module._streams())
+        rngs = device_keys(jax.random.key(seed), n, contract.streams(module))
         params = for_compute(variables["params"], precision)
 
         def forward(fill: float) -> Any:
             stats = jax.tree.map(lambda s: jnp.full_like(s, fill), model_state["batch_stats"])
             start = {**model_state, "batch_stats": stats}
             with (
-                module._collect_logs("loss", mask, n, epoch),
+                contract.collect_logs(module, "loss", mask, n, epoch),
                 computing(precision),
             ):
-                out = module._call_loss(
-                    {"params": params, **start}, for_compute(batch, precision), rngs
+                out = contract.call_loss(
+                    module, {"params": params, **start}, for_compute(batch, precision), rngs
                 )
             _, _, updates = loss_terms(out, start, mask)
             return jax.lax.pmean(updates["batch_stats"], AXIS)
@@ -640,8 +654,10 @@ def build_predict_step(
     def jl_predict_step(variables, batch, rows):
         mask, epoch = _unpack(rows)
         variables = {**variables, "params": for_compute(variables["params"], precision)}
-        with module._collect_logs("predict_step", mask, epoch=epoch):
-            out = module._call_eval("predict_step", variables, for_compute(batch, precision))
+        with contract.collect_logs(module, "predict_step", mask, epoch=epoch):
+            out = contract.call_eval(
+                module, "predict_step", variables, for_compute(batch, precision)
+            )
         if precision in ("bf16-mixed", "16-mixed"):
             half = (jnp.bfloat16, jnp.float16)
             out = jax.tree.map(lambda o: o.astype(jnp.float32) if o.dtype in half else o, out)

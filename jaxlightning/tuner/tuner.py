@@ -108,7 +108,7 @@ class Tuner:
             manual = checks.fit_module(model, program.options)
             tx, _ = checks.fit_optimizer(model, manual, program.options, trainer.callbacks)
             low = _search(
-                lambda rows: program.cost_at(model, tx, example, rows),
+                lambda rows: program.steps.cost_at(model, tx, example, rows),
                 trainer.strategy,
                 budget,
                 mode=mode,

@@ -1,0 +1,298 @@
+"""The compiled programs of a run: initialisation, the train step and its groups,
+evaluation and prediction, and what XLA says each costs.
+
+`CompiledSteps` builds and caches programs; it holds no train state (that is
+`HeldState`'s). Initial states compile with settings that favour compile time,
+since they run once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxlightning.data import DeviceBatch
+from jaxlightning.data.convert import Rows
+from jaxlightning.loop.multistep import host_steps, resident_steps
+from jaxlightning.module import JaxModule
+from jaxlightning.strategies import Strategy
+from jaxlightning.training import contract
+from jaxlightning.training.compiling import Background, compile_with_options, in_background
+from jaxlightning.training.precision import for_storage
+from jaxlightning.training.state import create_train_state
+from jaxlightning.training.step import (
+    Metrics,
+    Options,
+    StepOptions,
+    build_eval_step,
+    build_flush,
+    build_predict_step,
+    build_statistics_step,
+    build_train_parts,
+    build_train_step,
+    checked_setup,
+    is_manual,
+    zero_eval_metrics,
+    zero_train_metrics,
+)
+from jaxlightning.tuner.cost import StepCost, cost_of
+
+# For programs that run once (the initial state): XLA's optimisation level 1
+# and, on CPU, its older fusion emitters compile the random initialisers of an
+# MNIST-sized MLP in 0.3 s instead of 1.1 s, with bitwise the values of the
+# default compile (level 0 is faster still, but rounds differently: 1 ulp).
+# Both are private XLA options: `compile_with_options` drops any the backend
+# rejects (JAX 0.11 removed the fusion-emitter one).
+_RUN_ONCE_OPTIONS = {"xla_backend_optimization_level": 1}
+_RUN_ONCE_CPU_OPTIONS = {**_RUN_ONCE_OPTIONS, "xla_cpu_use_fusion_emitters": False}
+
+
+def shard_shapes(tree: Any, rows: int) -> Any:
+    """Abstract shapes of one device's shard of a host batch, in the dtypes JAX
+    will give it (int64 labels become int32 unless x64 is enabled)."""
+
+    def shard(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((rows, *x.shape[1:]), jax.dtypes.canonicalize_dtype(x.dtype))
+
+    return jax.tree.map(shard, tree)
+
+
+class CompiledSteps:
+    """Compiles (once per module, hook and shapes) the programs a run calls.
+
+    Args:
+        strategy: compiles the per-device functions and lays out their outputs.
+        options: what the train step does besides the update.
+        seed: seeds initialisation.
+    """
+
+    def __init__(self, strategy: Strategy, options: StepOptions, *, seed: int) -> None:
+        self.strategy = strategy
+        self.options = options
+        self.seed = seed
+        self._groups: dict[str, Any] = {}
+        self._eval_fns: dict[Any, Any] = {}
+        # The last evaluation's step and the shapes it was called with.
+        self._last_eval: tuple[Any, tuple[Any, ...]] | None = None
+
+    def shard_rows(self, batch: DeviceBatch) -> int:
+        return batch.host.mask.shape[0] // self.strategy.num_local_shards
+
+    # ------------------------------------------------------- initial states
+    def init_state(
+        self, module: JaxModule, tx: optax.GradientTransformation, first: DeviceBatch
+    ) -> tuple[Any, Background]:
+        """The initial train state's shapes now, and the state itself compiled
+        and computed on a worker thread while the caller traces the train step.
+        The caller must wait for the future on every path (`join_quietly`)."""
+        init, args = self._init_program(module, tx, first)
+        traced = init.trace(*args)
+        lowered = traced.lower()
+        return traced.out_info, in_background(lambda: self._compile_once(lowered)(*args))
+
+    def init_variables(
+        self, module: JaxModule, first: DeviceBatch, *, abstract: bool = False
+    ) -> Any:
+        """The module's variables (its own, else initialised) as one program;
+        with ``abstract`` only their shapes."""
+        if abstract:
+            args = (self.seed, module.variables, self._example(first))
+            return jax.eval_shape(self._init_function(module, None, boxed=False), *args)
+        init, args = self._init_program(module, None, first)
+        return self._compile_once(init.trace(*args).lower())(*args)
+
+    def variables_layout(self, module: JaxModule, first: DeviceBatch) -> Callable[[], Any]:
+        """The annotated shapes of ``module``'s variables, on demand."""
+        args = (self.seed, module.variables, self._example(first))
+        return lambda: jax.eval_shape(self._init_function(module, None, boxed=True), *args)
+
+    def _compile_once(self, lowered: Any) -> Any:
+        # Runs once: compiling it quickly matters more than running it quickly.
+        options = _RUN_ONCE_CPU_OPTIONS if self.strategy.on_cpu else _RUN_ONCE_OPTIONS
+        return compile_with_options(lowered, options)
+
+    def _example(self, first: DeviceBatch) -> Any:
+        """One device's share of the first batch, for ``setup``."""
+        rows = self.shard_rows(first)
+        return jax.tree.map(lambda x: x[:rows], first.host.data)
+
+    def _init_function(
+        self, module: JaxModule, tx: optax.GradientTransformation | None, *, boxed: bool
+    ) -> Callable[..., Any]:
+        """``(seed, variables, example) -> state`` (without ``tx``, just the
+        variables); with ``boxed``, flax partitioning annotations kept."""
+        contract.prepare_nnx(module)
+        precision, accumulate = self.options.precision, self.options.accumulate_grad_batches
+
+        def jl_init(seed, variables, example):
+            init_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
+            if variables is None:
+                variables = checked_setup(module, init_rng, example)
+            variables = for_storage(variables, precision)
+            if tx is None:
+                out = variables
+            else:
+                out = create_train_state(variables, tx, train_rng, accumulate)
+            # Partitioning annotations only say where arrays go: the state holds
+            # plain arrays, laid out by the strategy.
+            return out if boxed else nn.meta.unbox(out)
+
+        return jl_init
+
+    def _init_program(
+        self, module: JaxModule, tx: optax.GradientTransformation | None, first: DeviceBatch
+    ) -> tuple[Any, tuple[Any, ...]]:
+        """The jitted initialisation and its arguments. A strategy that lays out
+        the state (`Strategy.plan`) gets its annotated shapes first, and the
+        program builds it with that layout."""
+        args = (self.seed, module.variables, self._example(first))
+
+        def annotated() -> Any:
+            return jax.eval_shape(self._init_function(module, tx, boxed=True), *args)
+
+        init = self._init_function(module, tx, boxed=False)
+        if tx is None:
+            shardings = self.strategy.plan_variables(annotated)
+        else:
+            shardings = self.strategy.plan(annotated)
+        if shardings is None:
+            return jax.jit(init), args
+        return jax.jit(init, out_shardings=shardings), args
+
+    # ------------------------------------------------------------- training
+    def train_step(self, module: JaxModule, tx: optax.GradientTransformation) -> Any:
+        """``module``'s train step, compiled by the strategy (not yet for any
+        shapes); the groups of several batches are built from it."""
+        step = self._compile_train(module, tx)
+        self._groups = {"step": step}
+        return step
+
+    def _compile_train(self, module: JaxModule, tx: optax.GradientTransformation) -> Any:
+        if is_manual(module):
+            return self.strategy.compile_manual(build_train_step(module, tx, self.options))
+        parts = build_train_parts(
+            module, tx, self.options, self.strategy.reduce_grads(), self.strategy.gathering()
+        )
+        return self.strategy.compile_train(parts)
+
+    def flush(self, tx: optax.GradientTransformation) -> Any:
+        """The program that applies a partial accumulation window."""
+        return self.strategy.compile_global(build_flush(tx, self.options))
+
+    def group(self, resident: bool) -> Any:
+        """The program that runs the train step over a group of batches: gathered
+        from the resident dataset inside it, or handed over as host batches."""
+        kind = "resident" if resident else "host"
+        if kind not in self._groups:
+            step = self._groups["step"]
+            if resident:
+                replicated, sharded = self.strategy.batch_placement  # type: ignore[misc]
+                self._groups[kind] = resident_steps(step, replicated, sharded)
+            else:  # a ShardMapStrategy's (checks.steps_per_execution)
+                self._groups[kind] = host_steps(step, self.strategy.batch_sharding)  # type: ignore[attr-defined]
+        return self._groups[kind]
+
+    def statistics_step(self, module: JaxModule) -> Any:
+        """One batch's BatchNorm statistics under given parameters, summed."""
+        return self.strategy.compile(
+            build_statistics_step(module, self.seed, self.options.precision),
+            sharded_args=(False, False, True, True),
+            sharded_out=False,
+        )
+
+    def zero_train_metrics(
+        self, module: JaxModule, state: Any, example: DeviceBatch, tx: optax.GradientTransformation
+    ) -> tuple[Any, Options]:
+        rows = self.shard_rows(example)
+        return zero_train_metrics(
+            module, state, shard_shapes(example.host.data, rows), tx, self.options
+        )
+
+    def cost_at(
+        self, module: JaxModule, tx: optax.GradientTransformation, example: DeviceBatch, rows: int
+    ) -> StepCost | None:
+        """XLA's count of ``module``'s train step for a global batch of ``rows``
+        rows (a multiple of the shards), like ``example``'s otherwise: compiled
+        from shapes alone, never run, no state built."""
+        init, args = self._init_program(module, tx, example)
+        state = init.trace(*args).out_info
+        per_shard = rows // self.strategy.num_local_shards
+        data = shard_shapes(example.host.data, rows)  # the global batch's shapes
+        mask = Rows(jax.ShapeDtypeStruct((rows,), bool), jax.ShapeDtypeStruct((rows,), jnp.int32))
+        acc0, _ = zero_train_metrics(
+            module, state, shard_shapes(example.host.data, per_shard), tx, self.options
+        )
+        acc0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), acc0)
+        return cost_of(self._compile_train(module, tx), state, acc0, data, mask)
+
+    # ----------------------------------------------------------- evaluation
+    def eval_step(
+        self,
+        module: JaxModule,
+        hook: str,
+        first: DeviceBatch,
+        variables: Any,
+        dataloader_idx: int | None = None,
+    ) -> tuple[Callable[..., Any], Metrics, Options]:
+        """The compiled evaluation of ``hook``, its empty accumulator and the
+        options of what it logs (compiled once per module, hook, shapes and,
+        with several loaders, loader index)."""
+        example = shard_shapes(first.host.data, self.shard_rows(first))
+        shapes = (jax.tree.structure(example), tuple(jax.tree.leaves(example)))
+        key = ("eval", hook, module, shapes, dataloader_idx)
+        if key not in self._eval_fns:
+            compiled = self.strategy.compile(
+                build_eval_step(module, hook, self.options.precision, dataloader_idx),
+                sharded_args=(False, False, True, True),
+                sharded_out=False,
+            )
+            local = jax.eval_shape(self.strategy.unreplicate, variables)
+            zeros, options = zero_eval_metrics(module, hook, local, example, dataloader_idx)
+            self._eval_fns[key] = (compiled, self.strategy.replicate(zeros), options)
+        step = self._eval_fns[key]
+        call = (variables, step[1], first.data, first.mask)
+        self._last_eval = (step[0], jax.tree.map(_abstract, call))
+        return step
+
+    def forget_evaluations(self) -> None:
+        """A new fit's state: the cached evaluations compile again."""
+        self._eval_fns.clear()
+
+    def eval_cost(self) -> StepCost | None:
+        """XLA's count of the last evaluation's step on one device (the compile
+        its calls used: found in JAX's cache, not compiled again); ``None``
+        before any evaluation, under pmap and in multi-process runs."""
+        if self._last_eval is None or jax.process_count() > 1:
+            return None
+        compiled, call = self._last_eval
+        return cost_of(compiled, *call)
+
+    def predict_step(self, module: JaxModule) -> Callable[..., Any]:
+        """The compiled ``predict_step`` of ``module`` (compiled once)."""
+        key = ("predict", module)
+        if key not in self._eval_fns:
+            self._eval_fns[key] = self.strategy.compile(
+                build_predict_step(module, self.options.precision),
+                sharded_args=(False, True, True),
+                sharded_out=True,
+            )
+        return self._eval_fns[key]
+
+
+def zeros_like_local(strategy: Strategy, tree: Any) -> Any:
+    """Host zeros shaped as one device's copy of the placed ``tree``."""
+    local = jax.eval_shape(strategy.unreplicate, tree)
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), local)
+
+
+def _abstract(x: Any) -> Any:
+    """A placed array's shape, dtype and sharding: what its compile depends on."""
+    if not isinstance(x, jax.Array):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
