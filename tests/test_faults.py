@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import jaxlightning as jl
 from jaxlightning import checks
-from jaxlightning.loop import program as startup_module
+from jaxlightning.loop import compiled as startup_module
 from jaxlightning.training import compiling
 from tests.helpers import (
     LitMLP,
