@@ -35,6 +35,7 @@ from jaxlightning.strategies import Strategy as Strategy
 from jaxlightning.strategies import fsdp_gathered as fsdp_gathered
 from jaxlightning.trainer import NonFiniteLossError as NonFiniteLossError
 from jaxlightning.trainer import Trainer as Trainer
+from jaxlightning.trainer import TrainerArgs as TrainerArgs
 from jaxlightning.training.state import TrainState as TrainState
 from jaxlightning.training.step import AXIS as AXIS
 from jaxlightning.tuner.tuner import Tuner as Tuner

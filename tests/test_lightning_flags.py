@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 import jaxlightning as jl
-from jaxlightning.loop.fit_loop import FitLoop
+from jaxlightning.loop.val_check import ValCheck
 from tests.helpers import LitMLP, digits, init_mlp, loader, quiet_trainer
 
 X, Y = digits(80)
@@ -127,7 +127,7 @@ def test_val_check_interval_as_a_duration(interval, monkeypatch):
     # trainer/flags/test_val_check_interval.py::test_time_based_val_check_interval:
     # a clock that moves 2 s per reading; 5 steps -> 5 validations
     ticks = itertools.count(0, 2)
-    monkeypatch.setattr(FitLoop, "_clock", lambda self: next(ticks))
+    monkeypatch.setattr(ValCheck, "_clock", lambda self: next(ticks))
     record = Record()
     trainer = quiet_trainer(
         max_epochs=1, max_steps=5, limit_val_batches=1, val_check_interval=interval,
@@ -140,7 +140,7 @@ def test_val_check_interval_as_a_duration(interval, monkeypatch):
 def test_val_check_interval_duration_waits_for_its_time(monkeypatch):
     # one reading per second: a 3 s interval validates after batches 3 and 6
     ticks = itertools.count(0, 1)
-    monkeypatch.setattr(FitLoop, "_clock", lambda self: next(ticks))
+    monkeypatch.setattr(ValCheck, "_clock", lambda self: next(ticks))
     record = Record()
     trainer = quiet_trainer(
         max_epochs=1, limit_train_batches=7, limit_val_batches=1,

@@ -7,15 +7,13 @@ import optax
 import pytest
 
 import jaxlightning as jl
-from jaxlightning import checks
 from tests.helpers import LitMLP, digits, load_example, loader, quiet_trainer
 
 
 def _peak(trainer, module, train, rows):
     """XLA's bytes of the step at ``rows`` (the same analysis the tuner reads)."""
-    tx, _ = checks.fit_optimizer(module, False, trainer._program.options, trainer.callbacks)
-    example = trainer._pipeline.example_batch(train)
-    return trainer._program.steps.cost_at(module, tx, example, rows).peak_bytes
+    with trainer.train_cost_at(module, train) as cost:
+        return cost(rows).peak_bytes
 
 
 @pytest.mark.slow
@@ -29,7 +27,7 @@ def test_power_and_binsearch_find_the_fitting_boundary_and_set_the_batch_size():
 
     found = jl.Tuner(trainer).scale_batch_size(module, train, max_bytes=budget)
     assert found == 256 and module.batch_size == 256  # 2, 4, ..., 256 fit; 512 not
-    assert not trainer._program.held.started  # nothing ran, no state was built
+    assert trainer.state is None  # nothing ran, no state was built
 
     found = jl.Tuner(trainer).scale_batch_size(
         module, train, mode="binsearch", max_bytes=budget, init_val=3, margin=0.0

@@ -15,6 +15,7 @@ from jaxlightning.callbacks.monitors import ThroughputMonitor as ThroughputMonit
 from jaxlightning.callbacks.monitors import Timer as Timer
 from jaxlightning.callbacks.progress import TQDMProgressBar as TQDMProgressBar
 from jaxlightning.callbacks.swa import StochasticWeightAveraging as StochasticWeightAveraging
+from jaxlightning.callbacks.view import StateEdits as StateEdits
 from jaxlightning.callbacks.view import TrainerView as TrainerView
 
 

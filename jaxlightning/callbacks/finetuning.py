@@ -15,7 +15,7 @@ training and the optimizer is split by them from the start:
   ``optax.multi_transform({group: gated(tx), ..., rest: tx}, labels)``: every
   group gets its own copy of the optimizer's state, behind a gate
   (`FinetuneGate`) whose scalars the host writes between steps
-  (``trainer.set_optimizer_state``: nothing recompiles, and a checkpoint holds
+  (``trainer.edit.set_optimizer_state``: nothing recompiles, and a checkpoint holds
   them, so a run resumes bit-exactly);
 - while a group is frozen its updates are exactly zero (no weight decay
   either) and its optimizer state is not touched (the inner update is not
@@ -225,7 +225,7 @@ class BaseFinetuning(Callback):
 
     def gate_type(self, group: str) -> type[FinetuneGate]:
         """The `FinetuneGate` subclass of ``group``'s state (one per group and
-        callback, for ``trainer.set_optimizer_state``)."""
+        callback, for ``trainer.edit.set_optimizer_state``)."""
         key = "/".join(_split(group))
         if key not in self._kinds:
             self._kinds[key] = type(f"FinetuneGate[{key}]", (FinetuneGate,), {"__slots__": ()})
@@ -330,7 +330,7 @@ class BaseFinetuning(Callback):
             groups: declared groups.
         """
         for group in [groups] if isinstance(groups, str) else list(groups):
-            trainer.set_optimizer_state(self._gate(group), trainable=True)
+            trainer.edit.set_optimizer_state(self._gate(group), trainable=True)
 
     def unfreeze_and_add_param_group(
         self,
@@ -364,7 +364,7 @@ class BaseFinetuning(Callback):
         names = [groups] if isinstance(groups, str) else list(groups)
         if lr is None and self._base_rate is None:
             for group in names:
-                trainer.set_optimizer_state(
+                trainer.edit.set_optimizer_state(
                     self._gate(group), trainable=True, lr=math.nan, lr_scale=1 / initial_denom_lr
                 )
             return None
@@ -374,7 +374,9 @@ class BaseFinetuning(Callback):
             self._rate_needed(trainer, f"unfreeze_and_add_param_group(lr={lr})")
             rate = float(lr)
         for group in names:
-            trainer.set_optimizer_state(self._gate(group), trainable=True, lr=rate, lr_scale=1.0)
+            trainer.edit.set_optimizer_state(
+                self._gate(group), trainable=True, lr=rate, lr_scale=1.0
+            )
         return rate
 
     def set_group_lr(self, trainer: TrainerView, groups: str | Iterable[str], lr: float) -> None:
@@ -387,7 +389,7 @@ class BaseFinetuning(Callback):
         """
         self._rate_needed(trainer, f"set_group_lr(lr={lr})")
         for group in [groups] if isinstance(groups, str) else list(groups):
-            trainer.set_optimizer_state(self._gate(group), lr=float(lr), lr_scale=1.0)
+            trainer.edit.set_optimizer_state(self._gate(group), lr=float(lr), lr_scale=1.0)
 
     # ---------------------------------------------------------------- hooks
     def setup(self, trainer: TrainerView, module: JaxModule, stage: str) -> None:

@@ -5,7 +5,7 @@ the optimizer state, in a transformation the callback appends to the user's
 optimizer (`swa_transform`): they are updated inside the train step and saved
 in checkpoints with the rest of the state, so a run resumes bit-exactly. The
 host writes a few scalars into that state at each SWA epoch's start (through
-`TrainerView.set_optimizer_state`), so nothing recompiles.
+`StateEdits.set_optimizer_state`), so nothing recompiles.
 
 Lightning's schedule (its ``StochasticWeightAveraging`` with torch's ``SWALR``):
 with ``swa_start = max(swa_epoch_start - 1, 0)`` (0-based; a float start is
@@ -289,7 +289,7 @@ class StochasticWeightAveraging(Callback):
     def on_train_epoch_start(self, trainer: TrainerView, module: JaxModule) -> None:
         epoch = trainer.current_epoch
         if self.swa_start <= epoch <= self.swa_end:
-            trainer.set_optimizer_state(
+            trainer.edit.set_optimizer_state(
                 SwaState,
                 active=True,
                 alpha=self.alpha(epoch),
@@ -303,12 +303,12 @@ class StochasticWeightAveraging(Callback):
                 return
         elif trainer.current_epoch <= self.swa_end:  # stopped before the last epoch
             return
-        trainer.map_state(_take_average)
+        trainer.edit.map_state(_take_average)
         state = trainer.state
         assert state is not None
         self.n_averaged = int(np.asarray(jax.device_get(_swa_state(state.opt_state).n_averaged)))
         if "batch_stats" in state.model_state:
-            trainer.recompute_batch_statistics()
+            trainer.edit.recompute_batch_statistics()
 
     def state_dict(self) -> dict[str, Any]:
         return {"n_averaged": self.n_averaged}

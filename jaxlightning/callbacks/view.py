@@ -13,6 +13,25 @@ if TYPE_CHECKING:
     from jaxlightning.tuner.cost import StepCost
 
 
+class StateEdits(Protocol):
+    """``trainer.edit``: what a callback may change in a running fit's train
+    state (each needs a fit that has started)."""
+
+    def set_optimizer_state(self, kind: type, **values: Any) -> None:
+        """Writes host values into the fields of every ``kind`` node of the
+        train state's optimizer state (no recompile)."""
+        ...
+
+    def map_state(self, fn: Any) -> None:
+        """Replaces the train state by ``fn(state)``, run on the devices."""
+        ...
+
+    def recompute_batch_statistics(self) -> None:
+        """During `fit`: the state's ``batch_stats`` recomputed over one pass of
+        the training data (torch's ``update_bn``)."""
+        ...
+
+
 class TrainerView(Protocol):
     """The members of `jaxlightning.Trainer` that callbacks (and a module's
     ``self.trainer``) may use. Everything is read-only except ``should_stop``,
@@ -116,18 +135,9 @@ class TrainerView(Protocol):
         ``None`` before any evaluation or where unknown."""
         ...
 
-    def set_optimizer_state(self, kind: type, **values: Any) -> None:
-        """Writes host values into the fields of every ``kind`` node of the
-        train state's optimizer state (no recompile)."""
-        ...
-
-    def map_state(self, fn: Any) -> None:
-        """Replaces the train state by ``fn(state)``, run on the devices."""
-        ...
-
-    def recompute_batch_statistics(self) -> None:
-        """During `fit`: the state's ``batch_stats`` recomputed over one pass of
-        the training data (torch's ``update_bn``)."""
+    @property
+    def edit(self) -> StateEdits:
+        """The edits a callback may make to a running fit's train state."""
         ...
 
     def checkpoint_payload(self, module: JaxModule) -> tuple[Any, dict[str, Any]]:

@@ -157,6 +157,22 @@ class EvalLoop:
         # What the module's hooks logged on the host belongs to every loader's results.
         return [{**r, **host_logged} for r in results] if publish else []
 
+    def sanity_check(self, module: JaxModule, val_loaders: Any, steps: int) -> None:
+        """``steps`` validation batches per loader (-1: all) before training,
+        with their hooks (``trainer.sanity_checking`` meanwhile); their values
+        reach ``callback_metrics`` but no logger, and are discarded afterwards."""
+        if val_loaders is None or steps == 0:
+            return
+        self.hooks("on_sanity_check_start", module)
+        self.progress.sanity_checking = True
+        try:
+            with self.reporter.discarding():
+                limit = None if steps < 0 else steps
+                self.evaluate("validation", module, val_loaders, limit=limit, publish=False)
+        finally:
+            self.progress.sanity_checking = False
+        self.hooks("on_sanity_check_end", module)
+
     def _variables(self, module: JaxModule, first: Any, ckpt_path: Any) -> Any:
         checkpoint = None if ckpt_path is None else self.resolve_checkpoint(ckpt_path)
         swaps = []

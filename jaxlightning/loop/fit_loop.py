@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import signal
-import time
-from collections.abc import Iterable
 from typing import Any
 
-from jaxlightning.cluster import distributed, slurm
-from jaxlightning.data import Batches, Pipeline
+from jaxlightning.data import Batches
+from jaxlightning.data.fit_data import FitData
 from jaxlightning.loop.eval_loop import EvalLoop
 from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.program import Program
@@ -19,6 +16,7 @@ from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.reporter import Reporter, report
 from jaxlightning.loop.state_points import StatePoints
 from jaxlightning.loop.stop import StopPolicy
+from jaxlightning.loop.val_check import ValCheck
 from jaxlightning.module import JaxModule
 from jaxlightning.schedule import Schedule
 
@@ -27,7 +25,6 @@ class FitLoop:
     """Runs a fit from wherever ``progress`` stands.
 
     Args:
-        pipeline: the training (and validation) batches.
         program: runs the steps and holds the state.
         evaluation: runs validations (and the sanity check).
         hooks, reporter: as the Trainer's.
@@ -44,7 +41,6 @@ class FitLoop:
     def __init__(
         self,
         *,
-        pipeline: Pipeline,
         program: Program,
         evaluation: EvalLoop,
         hooks: Hooks,
@@ -56,7 +52,6 @@ class FitLoop:
         num_sanity_val_steps: int,
         points: StatePoints,
     ) -> None:
-        self.pipeline = pipeline
         self.program = program
         self.evaluation = evaluation
         self.hooks = hooks
@@ -69,15 +64,12 @@ class FitLoop:
         self.points = points
         self._epoch_runs_out = False  # this epoch ends at its loader's end (not max_steps)
         self.validate_at_epoch_end = False
-        self._last_validation = 0.0  # monotonic time of the last validation (duration rule)
-
-    def _clock(self) -> float:
-        return time.monotonic()
+        self.val_check = ValCheck(schedule, stop, progress)
 
     def run(
         self,
         module: JaxModule,
-        train_loader: Iterable[Any],
+        data: FitData,
         val_loaders: Any,
         batches: Batches | None,
         skip: int,
@@ -89,30 +81,30 @@ class FitLoop:
         max_epochs = self.schedule.max_epochs
         start = self.progress.current_epoch
         epochs = range(start, max_epochs) if max_epochs is not None else itertools.count(start)
-        if self.pipeline.train_batches_per_epoch(train_loader) == 0:
+        if not data.trains:
             epochs = range(0)  # limit_train_batches=0: training is off (Lightning skips it)
         self.progress.fitting = True
         try:
             with self.stop.watching_signals():
                 self.hooks("on_fit_start", module)
-                self._sanity_check(module, val_loaders)
+                self.evaluation.sanity_check(module, val_loaders, self.num_sanity_val_steps)
                 if epochs:
                     self.program.ready()  # a Timer counts training, not compiling
                     self.hooks("on_train_start", module)
                 self.points.start()  # the state training starts from
-                self._last_validation = self._clock()
+                self.val_check.restart()
                 for epoch in epochs:
                     # a stop asked for before the epoch (a used-up Timer) runs none of it
                     if self.stop.step_limit_reached() or self.stop.stopping():
                         break
                     self.progress.current_epoch = epoch
                     if batches is None:
-                        batches = self.pipeline.train_epoch(train_loader, epoch, 0)
+                        batches = data.epoch(epoch)
                     with batches:
-                        self._train_epoch(module, train_loader, val_loaders, batches, epoch, skip)
+                        self._train_epoch(module, data, val_loaders, batches, epoch, skip)
                     batches, skip = None, 0
-                    if self.stop.signum:
-                        self._stop_on_signal(module)
+                    if self.stop.signum:  # resume points saved, then the process exits
+                        self.stop.exit_for_signal(self.points.stop_signal(module))
                     self._end_train_epoch()
                     if self.progress.epoch_completed:
                         if val_loaders is not None and self.validate_at_epoch_end:
@@ -137,23 +129,10 @@ class FitLoop:
         self.program.held.drain()
         self.reporter.finalize()
 
-    def batches_left(self, loader: Any, skip: int = 0) -> int | None:
-        """Batches this epoch runs from batch ``skip``: the epoch's, or fewer
-        when ``max_steps`` comes first (for a loader without a length, the
-        batches until ``max_steps``; ``None`` without it)."""
-        n = self.pipeline.train_batches_per_epoch(loader)
-        until_max_steps = None
-        if self.schedule.max_steps >= 0:  # batches left until the last update
-            until_max_steps = self.progress.batches_until(self.schedule.max_steps)
-        if n is None:  # a loader without a length: max_steps bounds it, if set
-            return until_max_steps
-        n -= skip
-        return n if until_max_steps is None else min(n, until_max_steps)
-
     def _train_epoch(
         self,
         module: JaxModule,
-        loader: Iterable[Any],
+        data: FitData,
         val_loaders: Any,
         batches: Batches,
         epoch: int,
@@ -167,8 +146,11 @@ class FitLoop:
         """
         progress = self.progress
         progress.start_epoch(skip)
-        epoch_batches = self.pipeline.train_batches_per_epoch(loader)
-        progress.num_training_batches = left = self.batches_left(loader, skip)
+        epoch_batches = data.per_epoch
+        until_max_steps = None
+        if self.schedule.max_steps >= 0:  # batches left until the last update
+            until_max_steps = progress.batches_until(self.schedule.max_steps)
+        progress.num_training_batches = left = data.batches_left(skip, until_max_steps)
         progress.last_batch_idx = None if left is None else skip + left - 1
         # whether the epoch's own end (not max_steps) ends its last batch
         self._epoch_runs_out = left is not None and left == (epoch_batches or 0) - skip
@@ -179,22 +161,16 @@ class FitLoop:
         # validation due there) runs that validation first, as the run it continues did.
         if skip and val_loaders is not None and not progress.validated:
             self._validate_after(module, val_loaders, epoch, skip, epoch_batches)
-        group: list[tuple[int, Any]] = []  # batches for one dispatch
-        for batch_idx, batch in enumerate(batches, start=skip):
-            if not group and self.stop.before_batch():
+
+        def ends(batch_idx: int, size: int) -> bool:  # a dispatch's last batch
+            done = batch_idx + 1
+            return self._group_ends(epoch, done, done - skip, size, epoch_batches, val_loaders)
+
+        for group in data.groups(batches, skip, ends):
+            if self.stop.before_batch():
                 return
-            group.append((batch_idx, batch))
-            ends = self._group_ends(
-                epoch, batch_idx + 1, batch_idx + 1 - skip, len(group), epoch_batches, val_loaders
-            )
-            if not ends:
-                continue
-            skip_rest = self._train_group(module, val_loaders, epoch, group, epoch_batches)
-            group = []
-            if skip_rest:
-                break
-        if group:  # a loader without a length ran out
-            self._train_group(module, val_loaders, epoch, group, epoch_batches)
+            if self._train_group(module, val_loaders, epoch, group, epoch_batches):
+                break  # the module's on_train_batch_start returned -1
         progress.epoch_completed = True
         if progress.end_partial_update():  # an epoch ending between two updates
             self.program.flush()
@@ -297,7 +273,7 @@ class FitLoop:
         epoch (or its duration has passed, or a stop was requested that takes
         effect now: Lightning validates before stopping); after the epoch's last
         batch, at the epoch's end instead."""
-        if not self._validation_due(epoch, done, total, at_sync):
+        if not self.val_check.due(epoch, done, total, at_sync):
             return
         if done == total:
             self.validate_at_epoch_end = True
@@ -306,36 +282,7 @@ class FitLoop:
             # set first: a checkpoint saved in its on_validation_end resumes after it
             self.progress.validated = True
             self.evaluation.evaluate("validation", module, val_loaders)
-        self._last_validation = self._clock()
-
-    def _validation_due(self, epoch: int, done: int, total: int | None, at_sync: bool) -> bool:
-        schedule = self.schedule
-        if not schedule.validates_in(epoch):
-            return False
-        if self.stop.should_stop and self.stop.stopping():
-            return True
-        if schedule.val_check_seconds is not None:
-            due = self._clock() - self._last_validation >= schedule.val_check_seconds
-            return distributed.agree(due, at_sync=at_sync)  # process 0's clock decides
-        return schedule.validate_after_batch(epoch, done, total, self.progress.total_batches)
-
-    def _sanity_check(self, module: JaxModule, val_loaders: Any) -> None:
-        """A few validation batches before training, with their hooks
-        (``trainer.sanity_checking`` meanwhile); their values reach
-        ``callback_metrics`` but no logger, and are discarded afterwards."""
-        if val_loaders is None or self.num_sanity_val_steps == 0:
-            return
-        limit = None if self.num_sanity_val_steps < 0 else self.num_sanity_val_steps
-        self.hooks("on_sanity_check_start", module)
-        self.progress.sanity_checking = True
-        try:
-            with self.reporter.discarding():
-                self.evaluation.evaluate(
-                    "validation", module, val_loaders, limit=limit, publish=False
-                )
-        finally:
-            self.progress.sanity_checking = False
-        self.hooks("on_sanity_check_end", module)
+        self.val_check.restart()
 
     def _report_train(self) -> None:
         """Reports the values of this logging interval and starts the next one."""
@@ -367,23 +314,3 @@ class FitLoop:
         if self.progress.epoch_completed:
             self.program.held.reset_epoch()
         self.points.reported(values.values.get("train/loss"))
-
-    def _stop_on_signal(self, module: JaxModule) -> None:
-        """Has the state points' subscribers save their resume points, then exits."""
-        signum, step = self.stop.signum, self.progress.global_step
-        name = signal.Signals(signum).name
-        paths = self.points.stop_signal(module)
-        if not distributed.is_rank_zero():
-            pass
-        elif paths:
-            print(
-                f"Received {name} at step {step}: saved {paths[0]}. Resume with "
-                "trainer.fit(model, ..., ckpt_path='last') (or that path).",
-                flush=True,
-            )
-        else:
-            print(f"Received {name} at step {step}: no ModelCheckpoint, nothing saved.", flush=True)
-        job = slurm.job_id()
-        if self.stop.requeue and job is not None and distributed.is_rank_zero():
-            print(slurm.requeue(job), flush=True)
-        raise SystemExit(128 + signum)

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
-
 from jaxlightning.callbacks import ModelCheckpoint
 from jaxlightning.cluster import distributed
-from jaxlightning.data import regrain
-from jaxlightning.data.convert import dataset_length, loader_batch_size
-from jaxlightning.data.stateful import decode, encode, grain_data_loader, iterates_statefully
+from jaxlightning.data.fit_data import FitData
 from jaxlightning.io import storage
 from jaxlightning.io.checkpoint import find_last, json_safe, read_meta, restore_variables
 from jaxlightning.loggers import Logger
@@ -147,138 +142,19 @@ def nothing_left(
     return "" if epoch_end_due else f"max_steps={schedule.max_steps} reached"
 
 
-def start_from(
-    meta: Mapping[str, Any] | None, progress: Progress, loader: Any
-) -> tuple[int, dict | None]:
+def start_from(meta: Mapping[str, Any] | None, progress: Progress, data: FitData) -> int:
     """Moves ``progress`` to a checkpoint record's position; returns the batch
-    of the epoch to start from (0 without a checkpoint), in ``loader``'s batches
-    on this run's processes (`rebatched`), and, for a grain ``loader``, this
-    process's saved iterator state to go on from."""
+    of the epoch to start from (0 without a checkpoint), in this run's batches
+    (`FitData.resume_at`)."""
     if meta is None:
-        return 0, None
+        return 0
     at = meta["progress"]
     progress.resume_at(at["epoch"], at["batch"], at["global_step"], at.get("total_batches"))
     progress.validated = bool(at.get("validated", False))
-    processes = jax.process_count()
-    skip = rebatched(
-        meta,
-        at["batch"],
-        processes=processes,
-        batch_size=loader_batch_size(loader),
-        num_examples=dataset_length(loader),
-    )
-    state = None
-    if iterates_statefully(loader):
-        state, skip = data_state(meta, loader, skip, processes, jax.process_index())
+    skip, state = data.resume_at(meta)
     progress.position = (at["epoch"], skip)  # in this run's batches, as its checkpoints save
     progress.data_state = state
-    return skip, state
-
-
-def batching(processes: int, batch_size: int | None) -> dict[str, int] | None:
-    """How a run cuts its training batches, as a checkpoint records it: each of
-    ``processes`` takes ``batch_size`` rows of the epoch's order per batch."""
-    if batch_size is None:
-        return None
-    return {"processes": processes, "batch_size": batch_size}
-
-
-def rebatched(
-    meta: Mapping[str, Any] | None,
-    skip: int,
-    *,
-    processes: int,
-    batch_size: int | None,
-    num_examples: int | None,
-) -> int:
-    """The batch to resume an epoch from when this run cuts its batches unlike
-    the checkpoint's run did (another process count, another batch size).
-
-    The Trainer's order gives global batch ``k`` (all processes' batch ``k``)
-    the positions ``[k*B, (k+1)*B)`` of the epoch's order, ``B`` the global
-    batch size, on any number of processes: a checkpoint after ``skip`` batches
-    of ``B`` rows has consumed ``skip*B`` examples, and a run with global batch
-    ``B'`` goes on at its batch ``skip*B / B'`` — the same next example.
-    """
-    saved = (meta or {}).get("progress", {}).get("batching")
-    if not skip or not saved or batch_size is None:
-        return skip
-    before, now = saved["processes"] * saved["batch_size"], processes * batch_size
-    if before == now:
-        return skip
-    consumed = skip * before
-    if num_examples is not None and consumed >= num_examples:  # the epoch's last batch
-        return -(-num_examples // now)
-    if consumed % now:
-        raise ValueError(
-            f"the checkpoint was taken after {consumed} examples of its epoch ({skip} "
-            f"batches of {saved['batch_size']} on each of {saved['processes']} "
-            f"process(es)); this run's global batch is {processes} x {batch_size} = {now}, "
-            f"which does not divide {consumed}, so no batch of it starts at the next "
-            "example. Choose a batch size whose global batch divides it, or resume from "
-            "a checkpoint taken at an epoch's end"
-        )
-    return consumed // now
-
-
-def data_state(
-    meta: Mapping[str, Any] | None, loader: Any, skip: int, processes: int, rank: int
-) -> tuple[dict | None, int]:
-    """This process's saved iterator state of a stateful training loader (grain's)
-    and the batch of the epoch it resumes at (``skip`` on the checkpoint's
-    process count). On another process count, a grain ``DataLoader``'s states
-    are carried to this run's layout at the same global position (`regrain`)."""
-    states = (meta or {}).get("progress", {}).get("data_state")
-    if not states:
-        return None, skip
-    if len(states) == processes:
-        return states[rank], _rebatched_grain(states, loader, skip)
-    where = (
-        f"the checkpoint holds the data iterators' states of {len(states)} process(es), and "
-        f"this run has {processes}"
-    )
-    if not isinstance(loader, grain_data_loader()):
-        raise ValueError(
-            f"{where}: a grain dataset's state is its own shard's position, which another "
-            "process count cannot continue (a grain DataLoader's can be carried over). "
-            f"Resume on {len(states)} process(es), or from a checkpoint taken at an epoch's end"
-        )
-    saved = [json.loads(decode(state)) for state in states]
-    try:
-        position = regrain.consumed(saved)
-        state, batches = regrain.state_at(position, regrain.layout(loader), saved[0])
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{where}: {exc}") from exc
-    if batches != skip and distributed.is_rank_zero():
-        print(
-            f"resuming a grain DataLoader of {len(states)} process(es) on {processes}: at "
-            f"record {position} of its order, batch {batches} of the epoch here "
-            f"(batch {skip} there)",
-            flush=True,
-        )
-    return encode(json.dumps(state, indent=4).encode()), batches
-
-
-def _rebatched_grain(states: list[dict], loader: Any, skip: int) -> int:
-    """On the checkpoint's process count, a grain ``DataLoader``'s own state goes
-    on as it is; the batch of the epoch it stands at is counted in this run's
-    batch size where that can be read (else ``skip``, the checkpoint's count)."""
-    if not isinstance(loader, grain_data_loader()):
-        return skip
-    try:
-        saved = [json.loads(decode(state)) for state in states]
-        position, layout = regrain.consumed(saved), regrain.layout(loader)
-    except (ValueError, TypeError, KeyError):
-        return skip  # grain goes on from its own state; the count stays the checkpoint's
-    try:
-        return regrain.state_at(position, layout, saved[0])[1]
-    except ValueError as exc:
-        warnings.warn(
-            f"resuming the grain DataLoader at record {position} of its order, from its own "
-            f"state; its batches are counted from the checkpoint's batch {skip}, since {exc}",
-            stacklevel=4,
-        )
-        return skip
+    return skip
 
 
 def load_instead(module: JaxModule, path: str | None, progress: Progress, reason: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 from jaxlightning.cluster import distributed, slurm
 from jaxlightning.cluster.rank_zero import rank_zero_info
@@ -107,3 +108,24 @@ class StopPolicy:
                 "continue..."
             )
         return False
+
+    def exit_for_signal(self, saved: list[str]) -> NoReturn:
+        """Says what the stop signal's save left (``saved``: the checkpoint
+        paths written for it), requeues a SLURM job that asked for it, and exits
+        with the signal's status."""
+        signum, step = self.signum, self.progress.global_step
+        name = signal.Signals(signum).name
+        if not distributed.is_rank_zero():
+            pass
+        elif saved:
+            print(
+                f"Received {name} at step {step}: saved {saved[0]}. Resume with "
+                "trainer.fit(model, ..., ckpt_path='last') (or that path).",
+                flush=True,
+            )
+        else:
+            print(f"Received {name} at step {step}: no ModelCheckpoint, nothing saved.", flush=True)
+        job = slurm.job_id()
+        if self.requeue and job is not None and distributed.is_rank_zero():
+            print(slurm.requeue(job), flush=True)
+        raise SystemExit(128 + signum)

@@ -14,8 +14,7 @@ import jax
 
 from jaxlightning import checks
 from jaxlightning.cluster.rank_zero import rank_zero_warn
-from jaxlightning.data.arrays import as_loader
-from jaxlightning.data.datamodule import fit_loaders, is_datamodule
+from jaxlightning.data.datamodule import is_datamodule
 from jaxlightning.module import JaxModule
 from jaxlightning.tuner.lr_finder import LRFinder, lr_find
 
@@ -97,18 +96,11 @@ class Tuner:
         budget = max_bytes if max_bytes is not None else _device_limit(trainer.strategy.devices)
         if datamodule is None and is_datamodule(train_dataloaders):
             datamodule, train_dataloaders = train_dataloaders, None
-        program = trainer._program
         # As fit does: the datamodule set up, the module's trainer set, the
         # epoch's batches known (configure_optimizers may size schedules by them).
-        with trainer._stage("fit", model, datamodule):
-            train, _ = fit_loaders(train_dataloaders, None, datamodule, model)
-            train = as_loader(train, shuffle=True)
-            trainer._epoch_batches = (trainer._pipeline.train_batches_per_epoch(train),)
-            example = trainer._pipeline.example_batch(train)
-            manual = checks.fit_module(model, program.options)
-            tx, _ = checks.fit_optimizer(model, manual, program.options, trainer.callbacks)
+        with trainer.train_cost_at(model, train_dataloaders, datamodule=datamodule) as cost:
             low = _search(
-                lambda rows: program.steps.cost_at(model, tx, example, rows),
+                cost,
                 trainer.strategy,
                 budget,
                 mode=mode,

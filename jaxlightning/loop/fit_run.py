@@ -1,0 +1,181 @@
+"""A fit, told start to end: the module and optimizer checked, where the run
+starts (a checkpoint, a requeued SLURM job, or nothing left to do), the state
+built, the fit loop run, the trained variables handed back.
+
+`FitRun` also answers what needs the fit's training data while it runs: the
+checkpoint payload's record, recomputing BatchNorm statistics, and the
+Tuner's cost of the train step at other batch sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from jaxlightning import checks
+from jaxlightning.callbacks.plateau import PlateauStepper
+from jaxlightning.cluster import slurm
+from jaxlightning.data.fit_data import FitData
+from jaxlightning.data.pipeline import Pipeline
+from jaxlightning.io.checkpoint import read_meta
+from jaxlightning.loop import resume
+from jaxlightning.loop.eval_loop import EvalLoop
+from jaxlightning.loop.fit_loop import FitLoop
+from jaxlightning.loop.hooks import Hooks
+from jaxlightning.loop.program import Program
+from jaxlightning.loop.progress import Progress
+from jaxlightning.loop.reporter import Reporter
+from jaxlightning.loop.stages import Stages
+from jaxlightning.loop.stop import StopPolicy
+from jaxlightning.module import JaxModule
+from jaxlightning.schedule import Schedule
+from jaxlightning.training import contract
+from jaxlightning.tuner.cost import StepCost
+
+
+class FitRun:
+    """Runs `Trainer.fit` over the components it is given.
+
+    Args:
+        resolve_ckpt_path: turns ``"last"``, ``"best"`` or a folder into a
+            checkpoint folder (raises `FileNotFoundError` when there is none).
+        default_epochs: neither ``max_epochs`` nor ``max_steps`` was given: a
+            fit warns, as Lightning.
+    """
+
+    def __init__(
+        self,
+        *,
+        pipeline: Pipeline,
+        program: Program,
+        evaluation: EvalLoop,
+        fit_loop: FitLoop,
+        hooks: Hooks,
+        reporter: Reporter,
+        progress: Progress,
+        schedule: Schedule,
+        stop: StopPolicy,
+        stages: Stages,
+        resolve_ckpt_path: Callable[[Any], str],
+        default_epochs: bool,
+    ) -> None:
+        self.pipeline, self.program, self.evaluation = pipeline, program, evaluation
+        self.fit_loop, self.hooks, self.reporter = fit_loop, hooks, reporter
+        self.progress, self.schedule, self.stop, self.stages = progress, schedule, stop, stages
+        self.resolve_ckpt_path = resolve_ckpt_path
+        self.default_epochs = default_epochs
+        self.epoch_batches: tuple[int | None] | None = None  # the last fit's, once known
+        self.data: FitData | None = None  # while a fit runs
+
+    def run(self, module: JaxModule, train: Any, val: Any, ckpt_path: Any) -> None:
+        """Trains ``module`` on ``train`` (validating on ``val``), from ``ckpt_path``."""
+        manual = checks.fit_module(module, self.program.options)
+        val = self.evaluation.validation_loaders(module, val)
+        data = FitData(self.pipeline, train)
+        self.epoch_batches = (data.per_epoch,)  # configure_optimizers may read it
+        if self.default_epochs:
+            warnings.warn(
+                "`max_epochs` was not set. Setting it to 1000 epochs. To train without an "
+                "epoch limit, set `max_epochs=-1`",
+                UserWarning,
+                stacklevel=3,  # the user's fit line
+            )
+        tx = self._optimizer(module, manual)
+        path = self._checkpoint(ckpt_path)
+        meta = read_meta(path) if path else None
+        if meta is not None:
+            self.reporter.resume_in(meta.get("log_dir"))
+        skip = resume.start_from(meta, self.progress, data)
+        # A fresh run always builds its state, even to train 0 steps (max_steps=0
+        # initialises the module); one that continues a run may have nothing left.
+        if path is not None or self.program.held.started:
+            reason = resume.nothing_left(self.progress, self.schedule, data.per_epoch, skip)
+            if reason:
+                if path is not None:  # the module's variables will be the checkpoint's
+                    self.program.forget(module)
+                return resume.load_instead(module, path, self.progress, reason)
+        self.data = data  # for the checkpoint record and recompute_batch_statistics
+        try:
+            self._train(module, data, val, tx, path, meta, skip)
+        finally:
+            self.data = None
+        self.hooks("on_fit_end", module)
+
+    def _optimizer(self, module: JaxModule, manual: bool) -> Any:
+        """The module's optimizer; a ReduceLROnPlateau it configures steps this fit."""
+        callbacks = self.hooks.callbacks
+        tx, plateau = checks.fit_optimizer(module, manual, self.program.options, callbacks)
+        callbacks[:] = [c for c in callbacks if not isinstance(c, PlateauStepper)]
+        if plateau is not None:
+            callbacks.append(PlateauStepper(*plateau, self.program.held.set_plateau_scale))
+        return tx
+
+    def _checkpoint(self, ckpt_path: Any) -> str | None:
+        """The checkpoint folder the fit starts from (a requeued job: its last)."""
+        if ckpt_path is None and slurm.restarted():  # a requeued job goes on
+            with contextlib.suppress(FileNotFoundError):
+                return self.resolve_ckpt_path("last")
+            return None
+        return None if ckpt_path is None else self.resolve_ckpt_path(ckpt_path)
+
+    def _train(
+        self, module: JaxModule, data: FitData, val: Any, tx: Any, path: Any, meta: Any, skip: int
+    ) -> None:
+        # Every thread started from here on (prefetching, compiles) is joined on
+        # every way out: one still running in XLA when the process exits aborts it.
+        with contextlib.ExitStack() as threads:
+            batches = None
+            self.pipeline.signatures.reset()  # this fit's first batch sets the shapes
+            if data.trains:
+                batches = data.epoch(self.progress.current_epoch, skip)
+                threads.callback(batches.close)
+            example = (batches and batches.first) or data.example()
+            self.program.start(module, tx, example, path, threads)
+            if meta is not None:
+                resume.load_states(self.hooks, self.stages.datamodule, module, meta)
+            self.stop.reset()
+            self.progress.position = (self.progress.current_epoch, skip)
+            self.reporter.fix_run_dirs()  # on every process at once
+            self.fit_loop.run(module, data, val, batches, skip)
+        held = self.program.held
+        contract.hand_back(module, held.trained_variables())
+        if data.trains:
+            mapped = held.mapped
+            self.hooks("on_train_end", module)
+            if held.mapped != mapped:  # a callback replaced the state (SWA)
+                contract.hand_back(module, held.trained_variables())
+
+    # ------------------------------------------------ while the fit runs
+    def checkpoint_record(self, module: JaxModule, **run: Any) -> dict[str, Any]:
+        """The JSON record of a checkpoint now (``run``: seed, log_dir, num_devices)."""
+        batching = self.data.batching() if self.data is not None else None
+        return resume.checkpoint_record(
+            self.hooks, module, self.progress, self.stages.datamodule, batching, **run
+        )
+
+    def recompute_batch_statistics(self) -> None:
+        """See `Trainer.recompute_batch_statistics`."""
+        module, data, held = self.program.fit_module, self.data, self.program.held
+        if module is None or data is None or not held.started:
+            raise RuntimeError("recompute_batch_statistics needs a running fit")
+        if "batch_stats" not in held.live_state().model_state:
+            raise ValueError(f"{type(module).__name__}'s variables have no 'batch_stats'")
+        name = "the train dataloader (recomputing batch_stats)"
+        epoch = self.progress.current_epoch
+        with self.pipeline.eval_pass(data.loader, name, None, epoch) as batches:
+            self.program.recompute_batch_statistics(module, batches)
+
+    @contextlib.contextmanager
+    def sizing(self, module: JaxModule, train: Any) -> Iterator[Callable[[int], StepCost | None]]:
+        """Within the block (inside a ``"fit"`` stage), ``cost(rows)`` is XLA's
+        count of ``module``'s train step for a global batch of ``rows``: compiled
+        from shapes, never run, no state built."""
+        data = FitData(self.pipeline, train)
+        self.epoch_batches = (data.per_epoch,)  # configure_optimizers may read it
+        example = data.example()
+        options = self.program.options
+        manual = checks.fit_module(module, options)
+        tx, _ = checks.fit_optimizer(module, manual, options, self.hooks.callbacks)
+        yield lambda rows: self.program.steps.cost_at(module, tx, example, rows)

@@ -1,0 +1,83 @@
+"""A Trainer call's frame: ``setup`` and ``teardown`` with its stage, the
+datamodule prepared, ``on_exception`` when it fails, Ctrl-C as Lightning has it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from jaxlightning.cluster.rank_zero import rank_zero_info
+from jaxlightning.data.datamodule import prepare as prepare_datamodule
+from jaxlightning.data.prefetch import torch_threads
+from jaxlightning.loop import signals
+from jaxlightning.loop.hooks import Hooks
+from jaxlightning.loop.reporter import Reporter
+from jaxlightning.module import JaxModule
+from jaxlightning.strategies import Strategy
+from jaxlightning.training import contract
+
+
+class Stages:
+    """Runs `fit`, `validate`, `test` and `predict` calls (`running`).
+
+    Attributes:
+        stage: ``"fit"``, ``"validate"``, ``"test"`` or ``"predict"`` while one
+            runs, else ``None``.
+        interrupted: the last call failed or was interrupted (Lightning's flag).
+        datamodule: the datamodule of the last call that had one.
+    """
+
+    def __init__(self, view: Any, hooks: Hooks, reporter: Reporter, strategy: Strategy) -> None:
+        self.view = view  # what the module sees as self.trainer
+        self.hooks = hooks
+        self.reporter = reporter
+        self.strategy = strategy
+        self.stage: str | None = None
+        self.interrupted = False
+        self.datamodule: Any = None
+
+    @contextlib.contextmanager
+    def running(self, stage: str, module: JaxModule, datamodule: Any) -> Iterator[None]:
+        """Runs a Trainer call: ``setup``/``teardown`` (always) with ``stage``, and
+        ``on_exception`` when it fails; the datamodule is prepared and set up.
+        The module sees the Trainer (``self.trainer``) only while it runs."""
+        previous = self.stage
+        self.stage = stage
+        with contract.attached(module, self.view, self.reporter.log_host):
+            try:
+                if datamodule is not None:
+                    self.datamodule = datamodule
+                    prepare_datamodule(datamodule, stage)
+                self.interrupted = False
+                self.hooks("setup", module, stage)
+                self.reporter.reset()  # each call reports its own values (Lightning's reset)
+                # One torch thread for in-process loading while XLA computes on the CPU.
+                threads = 1 if self.strategy.on_cpu else None
+                with self._failures(module, stage, datamodule), torch_threads(threads):
+                    yield
+            finally:
+                self.stage = previous
+
+    @contextlib.contextmanager
+    def _failures(self, module: JaxModule, stage: str, datamodule: Any) -> Iterator[None]:
+        shutdown = contextlib.ExitStack()
+        try:
+            yield
+        except SystemExit:  # a signal's clean stop is not a failure
+            raise
+        except KeyboardInterrupt as exc:  # Lightning's rule: the hooks, then exit(1)
+            rank_zero_info("\nDetected KeyboardInterrupt, attempting graceful shutdown ...")
+            shutdown.enter_context(signals.sigint_ignored())
+            self.interrupted = True
+            self.hooks("on_exception", module, exc)
+            raise SystemExit(1) from exc
+        except BaseException as exc:
+            self.interrupted = True
+            self.hooks("on_exception", module, exc)
+            raise
+        finally:
+            with shutdown:
+                self.hooks("teardown", module, stage)
+                if datamodule is not None and hasattr(datamodule, "teardown"):
+                    datamodule.teardown(stage)
