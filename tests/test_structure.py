@@ -3,6 +3,8 @@
 import ast
 import pathlib
 
+import pytest
+
 import jaxlightning as jl
 
 PACKAGE = pathlib.Path(jl.__file__).parent
@@ -161,3 +163,95 @@ def test_only_public_jax_apis_are_used():
                     assert not any(p.startswith("_") for p in name.split(".")), (
                         f"{path.relative_to(PACKAGE)} imports {name}"
                     )
+
+
+# --------------------------------------------------------------- sizes, contract
+def _classes(folder: pathlib.Path) -> list[tuple[str, int]]:
+    found = []
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                found.append((f"{path.name}:{node.name}", node.end_lineno - node.lineno + 1))
+    return found
+
+
+def test_the_components_stay_small():
+    # The loop's classes own one job each (issue: "components that stay small");
+    # the Trainer only fills its arguments, wires and tells the stories.
+    too_big = [(name, n) for name, n in _classes(PACKAGE / "loop") if n > 300]
+    assert too_big == []
+    assert len((PACKAGE / "trainer.py").read_text().splitlines()) <= 350
+
+
+# Private names of other objects a module may read: NamedTuple's own API, and
+# grain 0.2.x's DataLoader internals (no public accessor; guarded by a
+# TypeError that says so, tested in tests/test_regrain.py).
+ALLOWED_PRIVATE = {"_replace", "_fields", "_asdict", "_make"}
+THIRD_PARTY_PRIVATE = {"data/regrain.py": {"_shard_options", "_sampler", "_operations"}}
+CONTRACT = {"module.py", "training/contract.py"}  # where JaxModule's internals are read
+
+
+def _private_reads(path: pathlib.Path) -> list[tuple[str, str]]:
+    """``x._name`` in ``path`` where ``x`` is not self/cls and ``_name`` is not
+    one this module defines itself (a private name reached across modules)."""
+    tree = ast.parse(path.read_text())
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
+            own.add(node.attr)
+    reads = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        name = node.attr
+        if not name.startswith("_") or name.startswith("__") or name in own:
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        reads.append((name, f"{ast.unparse(node)} (line {node.lineno})"))
+    return reads
+
+
+def test_private_names_are_not_reached_across_modules():
+    # The framework's calls into JaxModule internals go through
+    # training/contract.py; nothing else reads another object's private names.
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in CONTRACT:
+            continue
+        allowed = ALLOWED_PRIVATE | THIRD_PARTY_PRIVATE.get(rel, set())
+        reads = [where for name, where in _private_reads(path) if name not in allowed]
+        if reads:
+            found[rel] = reads
+    assert found == {}
+    assert sum(map(len, THIRD_PARTY_PRIVATE.values())) <= 5
+
+
+def test_the_trainer_takes_exactly_its_trainer_args():
+    # One record of the arguments: the Trainer's keyword signature (what IDEs
+    # and the CLI read) and TrainerArgs' fields agree name by name, default by
+    # default; the docstring documents each.
+    import dataclasses
+    import inspect
+
+    params = list(inspect.signature(jl.Trainer.__init__).parameters.values())[1:]
+    fields = dataclasses.fields(jl.TrainerArgs)
+    assert [p.name for p in params] == [f.name for f in fields]
+    assert [p.default for p in params] == [f.default for f in fields]
+    assert all(p.kind is p.KEYWORD_ONLY for p in params)
+    doc = inspect.getdoc(jl.Trainer)
+    assert [f.name for f in fields if f"\n    {f.name}: " not in doc] == []
+    trainer = jl.Trainer(max_epochs=3, logger=False, enable_progress_bar=False)
+    assert trainer.args.max_epochs == 3 and trainer.args.precision == "32-true"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        trainer.args.max_epochs = 4
