@@ -47,6 +47,13 @@ def steps_per_execution(value: Any, strategy: Any) -> int:
     return k
 
 
+def device_memory(value: Any) -> int | None:
+    """``device_memory``: bytes, or ``None`` for what the device reports."""
+    if value is None:
+        return None
+    return int_arg("device_memory", value, minimum=1, hint=" (bytes per device) or None")
+
+
 def fast_dev_run(value: Any) -> int:
     """``fast_dev_run`` as a batch count (0: off)."""
     if value is True:

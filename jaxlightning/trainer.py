@@ -93,6 +93,7 @@ class Trainer:
         profiler: str | None = None,
         stage_prefix: bool = False,
         recompile: str = "warn",
+        device_memory: int | None = None,
     ) -> None:
         self.args = TrainerArgs(**{k: v for k, v in locals().items() if k != "self"})
         parts = wire(self, self.args)
@@ -119,9 +120,7 @@ class Trainer:
     received_sigterm = _read("_stop", "received_sigterm", "This process got SIGTERM in a fit.")
     accumulate_grad_batches = _read("_progress", "accumulate", "Micro-batches per update.")
     callback_metrics = _read("_reporter", "callback_metrics", "Every reported value, by name.")
-    logged_metrics = _read(
-        "_reporter", "logged_metrics", "Every value logged in this call, the last of each name."
-    )
+    logged_metrics = _read("_reporter", "logged_metrics", "Every value logged in this call.")
     progress_bar_metrics = _read("_reporter", "progress_bar_metrics", "The bar's values.")
     loggers = _read("_reporter", "loggers", "Every logger.")
     log_dir = _read("_reporter", "log_dir", "The first logger's run directory.")

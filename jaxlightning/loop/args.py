@@ -161,6 +161,13 @@ class TrainerArgs:
             first one's (which would compile the step again): ``"warn"``
             (default; once per new signature, naming the leaf and the batch),
             ``"raise"`` (a `RecompileError`) or ``"allow"``.
+        device_memory: bytes one device holds (default: what the device
+            reports; the CPU reports nothing, so nothing is checked there).
+            A train step whose memory budget (XLA's analysis of the compiled
+            step) exceeds it stops `fit` before its first step with a
+            `MemoryBudgetError` showing the budget and the smaller batch with
+            more accumulation that fits (`Tuner.memory_budget` shows it
+            without fitting).
     """
 
     max_epochs: int | None = None
@@ -203,6 +210,7 @@ class TrainerArgs:
     profiler: str | None = None
     stage_prefix: bool = False
     recompile: str = "warn"
+    device_memory: int | None = None
 
     @classmethod
     def arguments_doc(cls) -> str:

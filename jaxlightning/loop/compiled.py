@@ -8,6 +8,7 @@ since they run once.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ from jaxlightning.training.step import (
     zero_eval_metrics,
     zero_train_metrics,
 )
+from jaxlightning.tuner import memory
 from jaxlightning.tuner.cost import StepCost, cost_of
 
 # For programs that run once (the initial state): XLA's optimisation level 1
@@ -230,6 +232,50 @@ class CompiledSteps:
         )
         acc0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), acc0)
         return cost_of(self._compile_train(module, tx), state, acc0, data, mask)
+
+    def budget_at(
+        self,
+        module: JaxModule,
+        tx: optax.GradientTransformation,
+        example: DeviceBatch,
+        limit: int | None,
+    ) -> memory.MemoryBudget | None:
+        """`memory_budget` of ``module``'s train step on batches like
+        ``example``, compiled from shapes (no state built, nothing run)."""
+        init, args = self._init_program(module, tx, example)
+        state = init.trace(*args).out_info
+        cost = self.cost_at(module, tx, example, example.host.mask.shape[0])
+        if cost is None:
+            return None
+        return self.memory_budget(module, tx, example, cost, state, limit)
+
+    def memory_budget(
+        self,
+        module: JaxModule,
+        tx: optax.GradientTransformation,
+        example: DeviceBatch,
+        cost: StepCost,
+        state: Any,
+        limit: int | None,
+    ) -> memory.MemoryBudget:
+        """The budget of the train step whose XLA count is ``cost`` (called on
+        ``state``'s shapes and batches like ``example``) against ``limit``;
+        when it does not fit, with the fixes XLA finds that do (compiled from
+        shapes at a smaller batch and more accumulation; nothing runs)."""
+        rows, shards = example.host.mask.shape[0], self.strategy.num_local_shards
+        batch = shard_shapes(example.host.data, rows // shards)
+        found = memory.budget(cost, state, batch, limit)
+        if found.fits:
+            return found
+
+        def peak_at(rows: int, accumulate: int) -> int | None:
+            options = dataclasses.replace(self.options, accumulate_grad_batches=accumulate)
+            other = CompiledSteps(self.strategy, options, seed=self.seed)
+            cost = other.cost_at(module, tx, example, rows)
+            return None if cost is None else cost.peak_bytes
+
+        accumulate = self.options.accumulate_grad_batches
+        return memory.with_fixes(found, rows, shards, accumulate, peak_at)
 
     # ----------------------------------------------------------- evaluation
     def eval_step(

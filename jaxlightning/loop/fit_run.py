@@ -10,6 +10,7 @@ Tuner's cost of the train step at other batch sizes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +22,7 @@ from jaxlightning.data.fit_data import FitData
 from jaxlightning.data.pipeline import Pipeline
 from jaxlightning.io.checkpoint import read_meta
 from jaxlightning.loop import resume
+from jaxlightning.loop.compiled import CompiledSteps
 from jaxlightning.loop.eval_loop import EvalLoop
 from jaxlightning.loop.fit_loop import FitLoop
 from jaxlightning.loop.hooks import Hooks
@@ -33,6 +35,7 @@ from jaxlightning.module import JaxModule
 from jaxlightning.schedule import Schedule
 from jaxlightning.training import contract
 from jaxlightning.tuner.cost import StepCost
+from jaxlightning.tuner.memory import MemoryBudget
 
 
 class FitRun:
@@ -168,14 +171,31 @@ class FitRun:
             self.program.recompute_batch_statistics(module, batches)
 
     @contextlib.contextmanager
-    def sizing(self, module: JaxModule, train: Any) -> Iterator[Callable[[int], StepCost | None]]:
-        """Within the block (inside a ``"fit"`` stage), ``cost(rows)`` is XLA's
-        count of ``module``'s train step for a global batch of ``rows``: compiled
-        from shapes, never run, no state built."""
+    def sizing(self, module: JaxModule, train: Any) -> Iterator[Sizing]:
+        """Within the block (inside a ``"fit"`` stage), `Sizing` of ``module``'s
+        train step: compiled from shapes, never run, no state built."""
         data = FitData(self.pipeline, train)
         self.epoch_batches = (data.per_epoch,)  # configure_optimizers may read it
         example = data.example()
         options = self.program.options
         manual = checks.fit_module(module, options)
         tx, _ = checks.fit_optimizer(module, manual, options, self.hooks.callbacks)
-        yield lambda rows: self.program.steps.cost_at(module, tx, example, rows)
+        yield Sizing(self.program.steps, module, tx, example)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+    """``sizing(rows)`` is XLA's count of the train step for a global batch of
+    ``rows`` rows; ``sizing.budget(limit)`` its `MemoryBudget` at the data's
+    batch size against ``limit``."""
+
+    steps: CompiledSteps
+    module: JaxModule
+    tx: Any
+    example: Any
+
+    def __call__(self, rows: int) -> StepCost | None:
+        return self.steps.cost_at(self.module, self.tx, self.example, rows)
+
+    def budget(self, limit: int | None) -> MemoryBudget | None:
+        return self.steps.budget_at(self.module, self.tx, self.example, limit)

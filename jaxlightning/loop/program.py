@@ -31,6 +31,7 @@ from jaxlightning.strategies import Strategy
 from jaxlightning.training.compiling import Precompiled, join_quietly
 from jaxlightning.training.state import TrainState
 from jaxlightning.training.step import Options, StepOptions
+from jaxlightning.tuner import memory
 from jaxlightning.tuner.cost import StepCost, step_cost
 
 
@@ -46,6 +47,9 @@ class Program:
         progress: the run's position (named in non-finite loss errors).
         stop_on_nonfinite_loss: raise `NonFiniteLossError` at the next report.
         steps_per_execution: the most batches `train_group` runs in one dispatch.
+        device_memory: bytes a device holds (``None``: what it reports, where
+            it does); a train step that needs more stops the fit before its
+            first step (`memory.MemoryBudgetError`).
     """
 
     def __init__(
@@ -57,12 +61,14 @@ class Program:
         progress: Progress,
         stop_on_nonfinite_loss: bool = True,
         steps_per_execution: int = 1,
+        device_memory: int | None = None,
     ) -> None:
         self.strategy = strategy
         self.options = options
         self.seed = seed
         self.progress = progress
         self.steps_per_execution = steps_per_execution
+        self.device_memory = device_memory
         self.held = HeldState(strategy, progress, stop_on_nonfinite_loss=stop_on_nonfinite_loss)
         self.steps = CompiledSteps(strategy, options, seed=seed)
         self.train_options: Options = {}
@@ -90,6 +96,7 @@ class Program:
         self._flush = None
         if self.options.accumulate_grad_batches > 1:
             self._flush = self.steps.flush(tx)
+        self._check_memory(module, tx, example, shapes)
         state = pending_state.result()
         acc = acc0
         if resume is not None:
@@ -99,6 +106,28 @@ class Program:
         self.held.hold(state, acc, acc0)
         self.steps.forget_evaluations()
         self.fit_module = module
+
+    def _check_memory(
+        self, module: JaxModule, tx: optax.GradientTransformation, example: DeviceBatch, state: Any
+    ) -> None:
+        """Stops the fit, before any step, when the train step needs more memory
+        than a device holds (only where that is known: nothing waits otherwise)."""
+        limit = memory.device_limit(self.strategy.devices, self.device_memory)
+        cost = None if limit is None else self.train_cost()
+        if cost is None:
+            return
+        found = self.steps.memory_budget(module, tx, example, cost, state, limit)
+        if not found.fits:
+            hint = (
+                "Pass the first fix's settings"
+                if found.fixes
+                else "Nothing XLA was asked about fits: shard the model (strategy='fsdp'), "
+                "recompute activations (nn.remat), or train in bfloat16 (precision='bf16-mixed')"
+            )
+            raise memory.MemoryBudgetError(
+                f"{type(module).__name__}'s train step needs more memory than a device "
+                f"holds; nothing was run.\n{found.table()}\n{hint}"
+            )
 
     def ready(self) -> None:
         """Waits for the train step's ahead-of-time compile (errors surface at

@@ -141,6 +141,7 @@ def wire(view: Any, args: TrainerArgs) -> Parts:
         strategy, options, seed=seed, progress=progress,
         stop_on_nonfinite_loss=args.stop_on_nonfinite_loss and rollback is None,
         steps_per_execution=steps_per_execution,
+        device_memory=checks.device_memory(args.device_memory),
     )  # fmt: skip
 
     def resolve_ckpt_path(ckpt_path: Any) -> str:

@@ -80,6 +80,7 @@ class StepCost:
         peak_bytes: the most memory the step holds at once: XLA's peak, or
             inputs + outputs that are not donated inputs + temporaries where
             that is more (the CPU backend's peak leaves temporaries out).
+        alias_bytes: outputs that are donated inputs (written in place).
         loops_counted_once: ``while`` loops whose trip count could not be read
             (XLA did not find one, or the body could not be analysed): each is
             counted once, so ``flops`` is a lower bound when this is not 0.
@@ -91,6 +92,7 @@ class StepCost:
     temp_bytes: int
     peak_bytes: int
     loops_counted_once: int = 0
+    alias_bytes: int = 0
 
     def describe(self) -> str:
         """One line, e.g. ``0.15 GFLOP, peak 2.3 MiB (inputs 1.1 MiB, ...)``."""
@@ -149,6 +151,7 @@ def step_cost(compiled: Any) -> StepCost | None:
         temp_bytes=temps,
         peak_bytes=int(peak),
         loops_counted_once=uncounted,
+        alias_bytes=aliased,
     )
 
 

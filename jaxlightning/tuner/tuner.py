@@ -13,9 +13,10 @@ from typing import Any
 import jax
 
 from jaxlightning import checks
-from jaxlightning.cluster.rank_zero import rank_zero_warn
+from jaxlightning.cluster.rank_zero import rank_zero_info, rank_zero_warn
 from jaxlightning.data.datamodule import is_datamodule
 from jaxlightning.module import JaxModule
+from jaxlightning.tuner import memory
 from jaxlightning.tuner.lr_finder import LRFinder, lr_find
 
 
@@ -113,6 +114,32 @@ class Tuner:
         _set_batch_size(model, datamodule, batch_arg_name, low)
         return low
 
+    def memory_budget(
+        self,
+        model: JaxModule,
+        train_dataloaders: Any = None,
+        datamodule: Any = None,
+        *,
+        device_memory: int | None = None,
+    ) -> memory.MemoryBudget | None:
+        """One device's memory during ``model``'s train step, from XLA's analysis
+        of the step compiled as `Trainer.fit` would compile it (nothing runs, no
+        state is built): parameters, optimizer state, the rest of the state,
+        the batch shard, temporaries and the peak, against ``device_memory``
+        (default: the Trainer's, else what the devices report). Printed and
+        returned; where it does not fit, with the smaller batch and more
+        accumulation that fits. ``None`` where the backend analyses nothing."""
+        trainer = self.trainer
+        given = device_memory if device_memory is not None else trainer.args.device_memory
+        limit = memory.device_limit(trainer.strategy.devices, given)
+        if datamodule is None and is_datamodule(train_dataloaders):
+            datamodule, train_dataloaders = train_dataloaders, None
+        with trainer.train_cost_at(model, train_dataloaders, datamodule=datamodule) as sizing:
+            found = sizing.budget(limit)
+        if found is not None:
+            rank_zero_info(found.table())
+        return found
+
     def lr_find(
         self,
         model: JaxModule,
@@ -204,16 +231,13 @@ def _search(
 
 
 def _device_limit(devices: list[jax.Device]) -> int:
-    limits = []
-    for d in devices:
-        stats = d.memory_stats() or {}
-        if "bytes_limit" not in stats:
-            raise ValueError(
-                f"{d.platform} devices report no memory limit: pass "
-                "scale_batch_size(..., max_bytes=...) with one device's memory for the step"
-            )
-        limits.append(int(stats["bytes_limit"]))
-    return min(limits)
+    limit = memory.device_limit(devices)
+    if limit is None:
+        raise ValueError(
+            f"{devices[0].platform} devices report no memory limit: pass "
+            "scale_batch_size(..., max_bytes=...) with one device's memory for the step"
+        )
+    return limit
 
 
 def _set_batch_size(model: Any, datamodule: Any, name: str, value: int) -> None:

@@ -1,0 +1,91 @@
+"""The memory doctor (issue 42, item 2): one device's memory during the train
+step from XLA's analysis of the compiled step, split by what it holds, and a
+fit that would not fit stopped before its first step with the fix that does.
+
+Checked against the trained state's own arrays (numpy's byte counts) and the
+fit's own compiled step (`Trainer.train_step_cost`, a separate compile from the
+Tuner's, which compiles from shapes)."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxlightning as jl
+from tests.helpers import LitMLP, digits, loader, quiet_trainer
+
+
+def _nbytes(tree) -> int:
+    return sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(tree))
+
+
+def _on_first_device(tree) -> int:
+    """Bytes the first device holds of ``tree``'s placed arrays."""
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+def test_the_budget_adds_up_to_xlas_report_and_the_state_arrays(strategy):
+    x, y = digits(512)
+    train = loader(x, y, 256)
+    trainer = quiet_trainer(max_steps=1, strategy=strategy)
+    found = jl.Tuner(trainer).memory_budget(LitMLP(hidden=64), train)
+    trainer.fit(LitMLP(hidden=64), train)
+
+    # Parameters and optimizer state per device: what the first device holds
+    # of the trained state's arrays (under FSDP a share of the larger leaves).
+    state = trainer.state
+    if strategy == "fsdp":
+        assert found.params < _nbytes(state.params) / 4
+    else:
+        assert found.params == _nbytes(state.params) == 4 * (2 * 64 * 65 + 65 * 10)
+    assert found.params == _on_first_device(state.params)
+    assert found.optimizer == _on_first_device(state.opt_state)
+    # One device's 32 rows of 64 float32 features and their int32 labels.
+    assert found.batch == 256 // 8 * (64 * 4 + 4)
+
+    # The rows add up to what XLA reserves for the fit's own compiled step.
+    cost = trainer.train_step_cost()
+    reserved = cost.argument_bytes + cost.output_bytes - cost.alias_bytes + cost.temp_bytes
+    assert sum(n for _, n in found.rows()) == pytest.approx(reserved, rel=0.01)
+    assert found.peak == pytest.approx(cost.peak_bytes, rel=0.01)
+    assert found.limit is None and found.fits  # the CPU reports no memory: nothing checked
+    assert "peak" in found.table() and "parameters" in found.table()
+
+
+class Steps(jl.Callback):
+    def __init__(self):
+        self.batches = 0
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.batches += 1
+
+
+def test_a_fit_that_would_not_fit_stops_before_its_first_step_with_the_fix():
+    x, y = digits()  # 1797 rows: batches of 1024 hold far more activations than weights
+    found = jl.Tuner(quiet_trainer()).memory_budget(LitMLP(), loader(x, y, 1024))
+    limit = found.peak - 1  # a simulated device one byte too small
+
+    steps = Steps()
+    trainer = quiet_trainer(max_epochs=1, device_memory=limit, callbacks=[steps])
+    with pytest.raises(jl.MemoryBudgetError) as err:
+        trainer.fit(LitMLP(), loader(x, y, 1024))
+    message = str(err.value)
+    assert "LitMLP's train step needs more memory than a device holds" in message
+    assert "over by 1 B" in message
+    fix = "batch_size 512 (global) with accumulate_grad_batches=2"
+    assert fix in message and steps.batches == 0 and trainer.global_step == 0
+
+    # The fix, as the Tuner ranks it against the same limit, fits: a fit with
+    # its settings and the same simulated memory trains.
+    tuner = jl.Tuner(quiet_trainer())
+    ranked = tuner.memory_budget(LitMLP(), loader(x, y, 1024), device_memory=limit)
+    assert not ranked.fits and ranked.fixes and ranked.fixes[0].what.startswith(fix)
+    assert ranked.fixes[0].peak_bytes <= limit < ranked.peak
+    fixed = quiet_trainer(max_epochs=1, device_memory=limit, accumulate_grad_batches=2)
+    fixed.fit(LitMLP(), loader(x, y, 512))
+    assert fixed.global_step == 2  # 4 batches of 512 (the last 261 rows), 2 per update
+
+
+def test_device_memory_is_checked_by_name():
+    with pytest.raises(ValueError, match=r"device_memory=0: expected an int >= 1"):
+        jl.Trainer(device_memory=0)
