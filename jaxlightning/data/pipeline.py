@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from jaxlightning.cluster import distributed
+from jaxlightning.data.buckets import bucket_sizes
 from jaxlightning.data.convert import Padder, Rows, loader_batch_size
 from jaxlightning.data.prefetch import Batches, DeviceBatch, Prefetcher
 from jaxlightning.data.resident import ResidentDataset, device_budget, residable
@@ -168,7 +169,13 @@ class Pipeline:
             else:
                 total = min(total, remaining)
         return self._start(
-            ordered, "train_dataloaders", epoch, allow_empty=skip > 0, total=total, skip=skip
+            ordered,
+            "train_dataloaders",
+            epoch,
+            allow_empty=skip > 0,
+            total=total,
+            skip=skip,
+            buckets=bucket_sizes(loader),
         )
 
     def example_batch(self, loader: Any) -> DeviceBatch:
@@ -181,7 +188,9 @@ class Pipeline:
                 return b.first
         ordered = self._ordered(loader, "train", 0, 0, self.shuffle_train)
         total = self._common_total(loader, ordered)
-        with self._start(ordered, "train_dataloaders", 0, total=total) as batches:
+        with self._start(
+            ordered, "train_dataloaders", 0, total=total, buckets=bucket_sizes(loader)
+        ) as batches:
             return batches.first
 
     def eval_pass(
@@ -200,12 +209,12 @@ class Pipeline:
             source = self._wrap(loader, "eval", whole_batches)
             if limit is not None:
                 source = BatchSlice(source, 0, limit)
-            return self._start(source, name, epoch)
+            return self._start(source, name, epoch, buckets=bucket_sizes(loader))
         ordered = self._ordered(loader, "eval", 0, 0, None)
         total = self._common_total(loader, ordered)
         if limit is not None:
             total = limit if total is None else min(total, limit)
-        return self._start(ordered, name, epoch, total=total)
+        return self._start(ordered, name, epoch, total=total, buckets=bucket_sizes(loader))
 
     def predict_loader(self, loader: Any) -> Any:
         """``loader`` in dataset order (row i of the output is example i)."""
@@ -340,6 +349,7 @@ class Pipeline:
         total: int | None = None,
         resident: ResidentDataset | None = None,
         skip: int = 0,
+        buckets: tuple[int, ...] | None = None,
     ) -> Batches:
         """Starts prefetching ``loader``; its first batch is ready on return.
 
@@ -365,7 +375,7 @@ class Pipeline:
                     raw, state = raw.batch, raw.state
                 host = padder.empty() if raw is _PAD_BATCH else padder(raw)
                 if raw is not _PAD_BATCH:  # a new shape compiles the step again: say where
-                    guard.check(host.data, epoch, next(counter))
+                    guard.check(host.data, epoch, next(counter), buckets)
                 data, rows = put((host.data, Rows.of(host.mask, epoch)))
                 return DeviceBatch(host, data, rows, state)
 

@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxlightning.data.buckets import in_buckets
+
 RECOMPILE = ("warn", "raise", "allow")
 
 Signature = tuple[tuple[str, tuple[int, ...], str], ...]
@@ -75,8 +77,12 @@ class SignatureGuard:
         with self._lock:
             self.first, self._seen = None, set()
 
-    def check(self, data: Any, epoch: int, batch_idx: int) -> None:
-        """Checks one training batch (host arrays), the ``batch_idx``-th of ``epoch``."""
+    def check(
+        self, data: Any, epoch: int, batch_idx: int, buckets: tuple[int, ...] | None = None
+    ) -> None:
+        """Checks one batch (host arrays), the ``batch_idx``-th of ``epoch``; a
+        batch that differs only in lengths of the loader's ``buckets``
+        (`buckets.BucketCollate`) is expected: one compile per bucket."""
         if self.policy == "allow":
             return
         now = signature(data)
@@ -86,6 +92,8 @@ class SignatureGuard:
                 return
             if now == self.first or now in self._seen:
                 return
+            if buckets and in_buckets(self.first, now, buckets):
+                return
             self._seen.add(now)
             first = self.first
         where = f"{self.what} {batch_idx}" + (f" of epoch {epoch}" if self.training else "")
@@ -93,8 +101,8 @@ class SignatureGuard:
             f"{where} differs from the batch the {'train' if self.training else 'evaluation'} "
             f"step was compiled for: {_difference(first, now)}. Each new shape or dtype "
             "compiles the step again (and a model whose parameters follow the input's width "
-            "fails). Give every batch the same shapes (pad, or bucket lengths to a few "
-            "sizes), or pass Trainer(recompile='allow')"
+            "fails). Give every batch the same shapes (pad, or bucket lengths with "
+            "jl.BucketCollate), or pass Trainer(recompile='allow')"
         )
         if self.policy == "raise":
             raise RecompileError(message)

@@ -154,8 +154,9 @@ class Program:
         the state ends as ``train`` of each in turn would leave it. A group
         shorter than ``steps_per_execution`` (cut by a report, a validation, an
         epoch's end) runs batch by batch instead: one group program to compile,
-        not one per length."""
-        if len(batches) < self.steps_per_execution or len(batches) == 1:
+        not one per length; so does a group of batches of several shapes
+        (shape buckets)."""
+        if len(batches) < self.steps_per_execution or len(batches) == 1 or _mixed(batches):
             for batch in batches:
                 self.train(batch)
             return
@@ -224,3 +225,11 @@ class Program:
         """``module``'s variables were replaced: they no longer are the fit's state."""
         if self.fit_module is module:
             self.fit_module = None
+
+
+def _mixed(batches: list[Any]) -> bool:
+    """Whether host batches differ in shape (a resident group's are indices)."""
+    if not isinstance(batches[0], DeviceBatch):
+        return False
+    shapes = [jax.tree.map(np.shape, b.host.data) for b in batches]
+    return any(s != shapes[0] for s in shapes[1:])

@@ -133,6 +133,8 @@ class Precompiled:
                 return self._compiled(*args)
             except TypeError:
                 # Argument types other than the compiled ones (raised before
-                # anything runs or is donated): from now on the jitted function.
-                self._compiled = None
+                # anything runs or is donated): the jitted function compiles
+                # (once) for them; the compiled types keep their program, so
+                # batches of a few shapes (`BucketCollate`) compile once each.
+                pass
         return self._jitted(*args)
