@@ -85,6 +85,13 @@ def test_a_fit_that_would_not_fit_stops_before_its_first_step_with_the_fix():
     fixed.fit(LitMLP(), loader(x, y, 512))
     assert fixed.global_step == 2  # 4 batches of 512 (the last 261 rows), 2 per update
 
+    # FSDP on the 8 devices is ranked too (by XLA's peak under it), and fits as well.
+    peaks = [f.peak_bytes for f in ranked.fixes]
+    assert [f.what for f in ranked.fixes][1:] == ["strategy='fsdp'"] and peaks == sorted(peaks)
+    sharded = quiet_trainer(max_epochs=1, device_memory=limit, strategy="fsdp")
+    sharded.fit(LitMLP(), loader(x, y, 1024))
+    assert sharded.global_step == 2
+
 
 def test_device_memory_is_checked_by_name():
     with pytest.raises(ValueError, match=r"device_memory=0: expected an int >= 1"):

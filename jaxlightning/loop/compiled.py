@@ -22,7 +22,7 @@ from jaxlightning.data import DeviceBatch
 from jaxlightning.data.convert import Rows
 from jaxlightning.loop.multistep import host_steps, resident_steps
 from jaxlightning.module import JaxModule
-from jaxlightning.strategies import Strategy
+from jaxlightning.strategies import FSDPStrategy, ShardMapStrategy, Strategy
 from jaxlightning.training import contract
 from jaxlightning.training.compiling import Background, compile_with_options, in_background
 from jaxlightning.training.precision import for_storage
@@ -268,14 +268,20 @@ class CompiledSteps:
         if found.fits:
             return found
 
-        def peak_at(rows: int, accumulate: int) -> int | None:
+        def peak_at(rows: int, accumulate: int, strategy: Strategy = self.strategy) -> int | None:
             options = dataclasses.replace(self.options, accumulate_grad_batches=accumulate)
-            other = CompiledSteps(self.strategy, options, seed=self.seed)
+            other = CompiledSteps(strategy, options, seed=self.seed)
             cost = other.cost_at(module, tx, example, rows)
             return None if cost is None else cost.peak_bytes
 
         accumulate = self.options.accumulate_grad_batches
-        return memory.with_fixes(found, rows, shards, accumulate, peak_at)
+        batch = memory.smaller_batch(rows, shards, accumulate, peak_at, found.limit)
+        candidates = [batch] if batch is not None else []
+        if type(self.strategy) is ShardMapStrategy and self.strategy.num_devices > 1:
+            fsdp = FSDPStrategy()
+            fsdp.setup(self.strategy.devices)
+            candidates.append(("strategy='fsdp'", lambda: peak_at(rows, accumulate, fsdp)))
+        return memory.with_fixes(found, candidates)
 
     # ----------------------------------------------------------- evaluation
     def eval_step(

@@ -15,7 +15,9 @@ A fit whose budget exceeds the device's memory (the device's own report, or
 ``Trainer(device_memory=...)``) stops before its first step with the table and
 the fixes XLA was asked about (`MemoryBudgetError`), each compiled from shapes
 at its own settings: a smaller batch per step with more accumulation, so an
-update still sees as many examples.
+update still sees as many examples, and, for a data-parallel run on several
+devices, FSDP (each device keeps a share of the parameters, gradients and
+optimizer state).
 """
 
 from __future__ import annotations
@@ -146,30 +148,37 @@ def budget(cost: StepCost, state: Any, batch: Any, limit: int | None) -> MemoryB
 
 
 def with_fixes(
-    found: MemoryBudget,
-    rows: int,
-    shards: int,
-    accumulate: int,
-    peak_at: Callable[[int, int], int | None],
+    found: MemoryBudget, candidates: list[tuple[str, Callable[[], int | None]]]
 ) -> MemoryBudget:
-    """``found`` with the fixes that fit: a global batch of ``rows // k`` rows
-    with ``accumulate * k`` batches per update, for k = 2, 4, ... while a
-    device keeps a row; ``peak_at(rows, accumulate)`` is XLA's peak there."""
+    """``found`` with those of ``candidates`` (``(what to pass, its XLA peak
+    on demand)``) that fit, most bytes saved first. A candidate whose peak
+    cannot be had (``None``) is left out."""
     fixes = []
+    for what, peak_at in candidates:
+        peak = peak_at()
+        if peak is not None and (found.limit is None or peak <= found.limit):
+            fixes.append(Fix(what, peak))
+    return dataclasses.replace(found, fixes=tuple(sorted(fixes, key=lambda f: f.peak_bytes)))
+
+
+def smaller_batch(
+    rows: int, shards: int, accumulate: int, peak_at: Callable[[int, int], int | None], limit: int
+) -> tuple[str, Callable[[], int | None]] | None:
+    """The largest halving of a global batch of ``rows`` (``rows // k`` rows,
+    ``accumulate * k`` batches per update, so an update sees as many examples,
+    while a device keeps a row) whose peak ``peak_at(rows, accumulate)`` fits
+    ``limit``, as a candidate for `with_fixes`; ``None`` when none fits."""
     k = 2
     while rows // k >= shards and rows % k == 0:
         peak = peak_at(rows // k, accumulate * k)
-        if peak is not None and (found.limit is None or peak <= found.limit):
-            fixes.append(
-                Fix(
-                    f"batch_size {rows // k} (global) with accumulate_grad_batches="
-                    f"{accumulate * k}, as many examples per update",
-                    peak,
-                )
+        if peak is not None and peak <= limit:
+            what = (
+                f"batch_size {rows // k} (global) with accumulate_grad_batches="
+                f"{accumulate * k}, as many examples per update"
             )
-            break  # the largest batch that fits; smaller ones only cost speed
+            return what, lambda peak=peak: peak
         k *= 2
-    return dataclasses.replace(found, fixes=tuple(sorted(fixes, key=lambda f: f.peak_bytes)))
+    return None
 
 
 def device_limit(devices: list[jax.Device], given: int | None = None) -> int | None:
