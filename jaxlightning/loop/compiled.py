@@ -222,6 +222,12 @@ class CompiledSteps:
         """XLA's count of ``module``'s train step for a global batch of ``rows``
         rows (a multiple of the shards), like ``example``'s otherwise: compiled
         from shapes alone, never run, no state built."""
+        return self._state_and_cost(module, tx, example, rows)[1]
+
+    def _state_and_cost(
+        self, module: JaxModule, tx: optax.GradientTransformation, example: DeviceBatch, rows: int
+    ) -> tuple[Any, StepCost | None]:
+        """The state's shapes (with their layout) and `cost_at`."""
         init, args = self._init_program(module, tx, example)
         state = init.trace(*args).out_info
         per_shard = rows // self.strategy.num_local_shards
@@ -231,7 +237,7 @@ class CompiledSteps:
             module, state, shard_shapes(example.host.data, per_shard), tx, self.options
         )
         acc0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), acc0)
-        return cost_of(self._compile_train(module, tx), state, acc0, data, mask)
+        return state, cost_of(self._compile_train(module, tx), state, acc0, data, mask)
 
     def budget_at(
         self,
@@ -242,9 +248,7 @@ class CompiledSteps:
     ) -> memory.MemoryBudget | None:
         """`memory_budget` of ``module``'s train step on batches like
         ``example``, compiled from shapes (no state built, nothing run)."""
-        init, args = self._init_program(module, tx, example)
-        state = init.trace(*args).out_info
-        cost = self.cost_at(module, tx, example, example.host.mask.shape[0])
+        state, cost = self._state_and_cost(module, tx, example, example.host.mask.shape[0])
         if cost is None:
             return None
         return self.memory_budget(module, tx, example, cost, state, limit)

@@ -7,9 +7,9 @@ by what they are, from the sizes of the state's leaves on one device:
 parameters, optimizer state, one batch shard's data, and the rest: the other
 state (step, random key, model state such as BatchNorm statistics, gradient
 sums under accumulation), the metric accumulators and the rows' mask (inputs
-the step never reads are dropped by XLA and count in none). The temporaries are what the step
-computes: gradients, activations kept for the backward pass, the optimizer's
-intermediate values. Nothing runs: the figures come from shapes and XLA.
+the step never reads are dropped by XLA and count in none). The temporaries
+are what the step computes: gradients, activations kept for the backward pass,
+the optimizer's intermediate values. Nothing runs: the figures come from shapes and XLA.
 
 A fit whose budget exceeds the device's memory (the device's own report, or
 ``Trainer(device_memory=...)``) stops before its first step with the table and
