@@ -76,3 +76,20 @@ def test_an_evaluation_pass_is_checked_against_its_own_first_batch():
     assert "batch of the validation dataloader 2 differs" in messages[0]
     assert "the evaluation step was compiled for" in messages[0]
     assert "batch[0] has shape (32, 5, 64) float32, was (32, 3, 64) float32" in messages[0]
+
+
+def test_the_guard_names_a_dtype_or_key_change_and_passes_an_equal_batch():
+    """The per-batch check compares a cheap key; what it lets through must be
+    what the named signature would: the same leaves, shapes and dtypes."""
+    from jaxlightning.data.signature import SignatureGuard
+
+    guard = SignatureGuard("raise")
+    first = {"x": np.zeros((8, 3), np.float32), "y": np.zeros(8, np.int32)}
+    guard.check(first, 0, 0)
+    guard.check({"x": np.ones((8, 3), np.float32), "y": np.ones(8, np.int32)}, 0, 1)
+    dtype = r"batch\['y'\] has shape \(8,\) int64, was \(8,\) int32"
+    with pytest.raises(jl.RecompileError, match=dtype):
+        guard.check({"x": np.zeros((8, 3), np.float32), "y": np.zeros(8, np.int64)}, 0, 2)
+    keys = r"structure changed: leaves \[\"\['x'\]\", \"\['z'\]\"\]"
+    with pytest.raises(jl.RecompileError, match=keys):
+        guard.check({"x": np.zeros((8, 3), np.float32), "z": np.zeros(8, np.int32)}, 0, 3)

@@ -9,6 +9,7 @@ means padded rows never count in losses or metrics.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Iterable
@@ -130,7 +131,15 @@ class Rows(NamedTuple):
 
     @classmethod
     def of(cls, mask: np.ndarray, epoch: int) -> Rows:
-        return cls(mask, np.full(mask.shape, epoch, np.int32))
+        return cls(mask, _epoch_rows(mask.shape, epoch))
+
+
+@functools.lru_cache(maxsize=16)
+def _epoch_rows(shape: tuple[int, ...], epoch: int) -> np.ndarray:
+    """``epoch`` per row, one read-only array shared by a pass's batches."""
+    rows = np.full(shape, epoch, np.int32)
+    rows.setflags(write=False)
+    return rows
 
 
 @dataclass(frozen=True)

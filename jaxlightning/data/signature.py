@@ -35,6 +35,13 @@ def signature(data: Any) -> Signature:
     )
 
 
+def _key(data: Any) -> tuple[Any, ...]:
+    """A batch's structure and each leaf's shape and dtype, cheap to build and
+    compare (no paths, no strings): `signature` is built only when it differs."""
+    leaves, treedef = jax.tree_util.tree_flatten(data)
+    return (treedef, *((np.shape(leaf), getattr(leaf, "dtype", type(leaf))) for leaf in leaves))
+
+
 def _difference(first: Signature, now: Signature) -> str:
     """What changed from ``first`` to ``now``, leaf by leaf, in words."""
     if [p for p, _, _ in first] != [p for p, _, _ in now]:
@@ -60,6 +67,7 @@ class SignatureGuard:
         self.policy = policy
         self.what = what
         self.first: Signature | None = None
+        self._first_key: tuple[Any, ...] | None = None
         self._seen: set[Signature] = set()
         self._lock = threading.Lock()  # batches are checked on the prefetch thread
 
@@ -75,7 +83,7 @@ class SignatureGuard:
     def reset(self) -> None:
         """A new fit: its first batch sets the signature."""
         with self._lock:
-            self.first, self._seen = None, set()
+            self.first, self._first_key, self._seen = None, None, set()
 
     def check(
         self, data: Any, epoch: int, batch_idx: int, buckets: tuple[int, ...] | None = None
@@ -85,10 +93,13 @@ class SignatureGuard:
         (`buckets.BucketCollate`) is expected: one compile per bucket."""
         if self.policy == "allow":
             return
+        key = _key(data)
+        if key == self._first_key:  # every batch but the odd one: no lock, no strings
+            return
         now = signature(data)
         with self._lock:
             if self.first is None:
-                self.first = now
+                self.first, self._first_key = now, key
                 return
             if now == self.first or now in self._seen:
                 return
