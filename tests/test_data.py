@@ -84,6 +84,39 @@ def test_prefetcher_yields_in_order_and_stops_early():
     assert len(fetched) < 10  # bounded look-ahead, not the whole epoch
 
 
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_prefetcher_hands_over_every_item_in_order_within_its_depth(depth):
+    """Each side is woken only when the other waits; whichever side is slower,
+    every item arrives once, in order, never more than ``depth`` ahead, and an
+    error in ``prepare`` arrives after the items before it."""
+    import random
+    import time
+
+    rng = random.Random(depth)
+    prepared, consumed = [0], [0]
+    ahead = []
+
+    def prepare(i):
+        if rng.random() < 0.3:
+            time.sleep(0.0005)  # a slower producer now and then
+        if i == 150:
+            raise KeyError("item 150")
+        prepared[0] += 1
+        ahead.append(prepared[0] - consumed[0])
+        return i
+
+    got = []
+    with pytest.raises(KeyError, match="item 150"):
+        for item in Prefetcher(range(200), prepare, depth=depth):
+            consumed[0] += 1
+            got.append(item)
+            if rng.random() < 0.3:
+                time.sleep(0.0005)  # a slower consumer now and then
+    assert got == list(range(150))
+    # beyond the `depth` waiting: one being prepared, one taken but not yet counted
+    assert max(ahead) <= depth + 2
+
+
 class Counting(Dataset):
     def __init__(self, n):
         self.n, self.loaded = n, []
