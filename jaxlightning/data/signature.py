@@ -67,7 +67,8 @@ class SignatureGuard:
         self.policy = policy
         self.what = what
         self.first: Signature | None = None
-        self._first_key: tuple[Any, ...] | None = None
+        # keys of the batches already checked (the first, bucketed lengths, warned ones)
+        self._known: set[tuple[Any, ...]] = set()
         self._seen: set[Signature] = set()
         self._lock = threading.Lock()  # batches are checked on the prefetch thread
 
@@ -83,7 +84,8 @@ class SignatureGuard:
     def reset(self) -> None:
         """A new fit: its first batch sets the signature."""
         with self._lock:
-            self.first, self._first_key, self._seen = None, None, set()
+            self.first, self._seen = None, set()
+            self._known = set()
 
     def check(
         self, data: Any, epoch: int, batch_idx: int, buckets: tuple[int, ...] | None = None
@@ -94,12 +96,13 @@ class SignatureGuard:
         if self.policy == "allow":
             return
         key = _key(data)
-        if key == self._first_key:  # every batch but the odd one: no lock, no strings
+        if key in self._known:  # a shape checked before: no lock, no strings
             return
         now = signature(data)
         with self._lock:
+            self._known.add(key)
             if self.first is None:
-                self.first, self._first_key = now, key
+                self.first = now
                 return
             if now == self.first or now in self._seen:
                 return
