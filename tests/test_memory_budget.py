@@ -75,19 +75,22 @@ def test_a_fit_that_would_not_fit_stops_before_its_first_step_with_the_fix():
     fix = "batch_size 512 (global) with accumulate_grad_batches=2"
     assert fix in message and steps.batches == 0 and trainer.global_step == 0
 
-    # The fix, as the Tuner ranks it against the same limit, fits: a fit with
-    # its settings and the same simulated memory trains.
+    # The fixes, as the Tuner ranks them against the same limit (by XLA's peak
+    # under each: the smaller batch with accumulation, FSDP on the 8 devices),
+    # fit: a fit with either's settings and the same simulated memory trains.
+    # (Their order here is a matter of a few hundred bytes: on CPU the data-
+    # parallel step holds the old and the new parameters at once, see
+    # Strategy._compile_step, and this model's parameters are 14 kB.)
     tuner = jl.Tuner(quiet_trainer())
     ranked = tuner.memory_budget(LitMLP(), loader(x, y, 1024), device_memory=limit)
-    assert not ranked.fits and ranked.fixes and ranked.fixes[0].what.startswith(fix)
-    assert ranked.fixes[0].peak_bytes <= limit < ranked.peak
+    assert not ranked.fits
+    whats = sorted(f.what.split(",")[0] for f in ranked.fixes)
+    assert whats == [fix, "strategy='fsdp'"]
+    peaks = [f.peak_bytes for f in ranked.fixes]
+    assert peaks == sorted(peaks) and peaks[-1] <= limit < ranked.peak
     fixed = quiet_trainer(max_epochs=1, device_memory=limit, accumulate_grad_batches=2)
     fixed.fit(LitMLP(), loader(x, y, 512))
     assert fixed.global_step == 2  # 4 batches of 512 (the last 261 rows), 2 per update
-
-    # FSDP on the 8 devices is ranked too (by XLA's peak under it), and fits as well.
-    peaks = [f.peak_bytes for f in ranked.fixes]
-    assert [f.what for f in ranked.fixes][1:] == ["strategy='fsdp'"] and peaks == sorted(peaks)
     sharded = quiet_trainer(max_epochs=1, device_memory=limit, strategy="fsdp")
     sharded.fit(LitMLP(), loader(x, y, 1024))
     assert sharded.global_step == 2

@@ -8,9 +8,19 @@ import optax
 import pytest
 from flax.training import train_state
 
+import jaxlightning as jl
 from jaxlightning.strategies import PmapStrategy, ShardMapStrategy
 from jaxlightning.training.step import device_keys
-from tests.helpers import MLP, LitMLP, digits, init_mlp, loader, max_abs_diff, quiet_trainer
+from tests.helpers import (
+    MLP,
+    LitMLP,
+    assert_bitwise_equal,
+    digits,
+    init_mlp,
+    loader,
+    max_abs_diff,
+    quiet_trainer,
+)
 
 LR = 1e-2
 
@@ -162,3 +172,30 @@ def test_initial_state_is_bitwise_a_plain_jit_of_setup():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert trainer.global_step == 0
+
+
+class _DonatingParams(ShardMapStrategy):
+    """The train step as compiled for accelerators: the whole state donated."""
+
+    donates_params = True
+
+
+def test_on_cpu_the_step_reuses_the_state_but_the_parameters_with_the_same_bits(data):
+    """On the CPU backend the train step writes its new optimizer state over
+    the old but its new parameters to fresh buffers (Strategy._compile_step);
+    the parameters come out bitwise as when it donates everything."""
+    held = []
+
+    class Given(jl.Callback):
+        def on_train_batch_start(self, trainer, module, batch_idx):
+            if batch_idx == 2:  # the state the next dispatch is given
+                held.append(trainer._program.held.live_state())
+
+    runs = {}
+    for name, strategy in (("cpu", ShardMapStrategy()), ("all", _DonatingParams())):
+        _, runs[name] = fit_params(strategy, 8, *data, callbacks=[Given()])
+    (cpu, donating_all) = held
+    assert not any(x.is_deleted() for x in jax.tree.leaves(cpu.params))
+    assert all(x.is_deleted() for x in jax.tree.leaves(cpu.opt_state))
+    assert all(x.is_deleted() for x in jax.tree.leaves(donating_all.params))
+    assert_bitwise_equal(runs["cpu"], runs["all"])

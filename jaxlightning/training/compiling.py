@@ -107,6 +107,9 @@ class Precompiled:
 
     def __init__(self, jitted: Any, *example: Any) -> None:
         self._jitted = jitted
+        # A function whose program takes its arguments rearranged (`ParamsApart`)
+        # traces as called and says how to call its program the same way.
+        self._calling = getattr(jitted, "calling", lambda program: program)
         lowered = jitted.trace(*example).lower()
         self._task = in_background(lowered.compile)
         self._pending: Background | None = self._task
@@ -126,7 +129,7 @@ class Precompiled:
 
     def __call__(self, *args: Any) -> Any:
         if self._pending is not None:
-            self._compiled = self._pending.result()
+            self._compiled = self._calling(self._pending.result())
             self._pending = None
         if self._compiled is not None:
             try:
