@@ -78,9 +78,9 @@ def test_a_fit_that_would_not_fit_stops_before_its_first_step_with_the_fix():
     # The fixes, as the Tuner ranks them against the same limit (by XLA's peak
     # under each: the smaller batch with accumulation, FSDP on the 8 devices),
     # fit: a fit with either's settings and the same simulated memory trains.
-    # (Their order here is a matter of a few hundred bytes: on CPU the data-
+    # (Their order here is a matter of about a kilobyte: on CPU the data-
     # parallel step holds the old and the new parameters at once, see
-    # Strategy._compile_step, and this model's parameters are 14 kB.)
+    # Strategy._compile_step, and this model's parameters are 13.5 KiB.)
     tuner = jl.Tuner(quiet_trainer())
     ranked = tuner.memory_budget(LitMLP(), loader(x, y, 1024), device_memory=limit)
     assert not ranked.fits
