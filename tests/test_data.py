@@ -2,6 +2,7 @@
 
 import threading
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -204,6 +205,87 @@ def test_tensor_dataset_batches_are_fetched_whole_and_equal_per_example_ones(
             assert torch.equal(a, b)
             want = to_numpy(b)
             assert c.dtype == want.dtype and np.array_equal(c, want)
+
+
+class _Samples(Dataset):
+    """Per-example samples of several kinds; each ``__getitem__`` draws from
+    torch's global generator (an augmentation), so a fetch that drew apart from
+    the DataLoader's own would give other numbers."""
+
+    def __init__(self, kind: str, n: int = 23) -> None:
+        self.kind, self.x = kind, torch.randn(n, 3)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        assert type(i) is int  # as the DataLoader's sampler gives them
+        x = self.x[i] + torch.rand(3)
+        if self.kind == "tuple":
+            return x, torch.tensor(i)
+        if self.kind == "dict":
+            return {"x": x.to(torch.bfloat16), "i": torch.tensor(i)}
+        return x.numpy(), i, float(i)  # numpy and numbers: default collate's other kinds
+
+
+class _Many(_Samples):
+    def __init__(self) -> None:
+        super().__init__("tuple")
+        self.asked: list = []
+
+    def __getitems__(self, indices):
+        self.asked.append(indices)
+        return [(self.x[i] * 2, torch.tensor(i)) for i in indices]
+
+
+@pytest.mark.parametrize(
+    "dataset, collate, drop_last",
+    [
+        (lambda: _Samples("tuple"), None, False),
+        (lambda: _Samples("dict"), None, True),
+        (lambda: _Samples("mixed"), None, False),
+        (_Many, None, False),
+        (lambda: _Samples("tuple"), lambda rows: [r[0].sum() for r in rows], False),
+    ],
+    ids=["tuples", "dicts", "numpy-and-numbers", "getitems", "custom-collate"],
+)
+def test_per_example_batches_fetched_by_the_trainer_equal_the_dataloaders(
+    dataset, collate, drop_last
+):
+    """Read in the main process, a per-example DataLoader's batches are fetched
+    without its iterator: the same indices (Python ints, ``__getitems__`` where
+    the dataset has it), the same collate result, the same draws from torch's
+    generator, as the rebuilt DataLoader gives."""
+    from jaxlightning.data.fetch import FetchedEpoch
+    from jaxlightning.data.sampling import EpochSampler, epoch_loader
+
+    ds = dataset()
+    kw = {} if collate is None else {"collate_fn": collate}
+    user = DataLoader(ds, batch_size=5, shuffle=True, drop_last=drop_last, **kw)
+    torch.manual_seed(0)
+    epoch = epoch_loader(user, epoch=1, seed=4, skip_batches=1)
+    assert isinstance(epoch, FetchedEpoch)
+    ours = list(epoch)
+    asked = list(getattr(ds, "asked", []))
+    torch.manual_seed(0)
+    sampler = EpochSampler(len(ds), shuffle=True, seed=4, epoch=1, start=5)
+    theirs = list(DataLoader(ds, batch_size=5, sampler=sampler, drop_last=drop_last, **kw))
+    assert len(ours) == len(theirs) == (3 if drop_last else 4)
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        assert type(a) is type(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if asked:  # one call per batch, with the sampler's Python ints
+        assert asked == ds.asked[len(asked) :] and all(type(i) is int for i in asked[0])
+
+
+def test_per_example_loaders_read_by_workers_or_pinned_stay_dataloaders():
+    from jaxlightning.data.fetch import FetchedEpoch
+    from jaxlightning.data.sampling import epoch_loader
+
+    ds = _Samples("tuple")
+    for kw in ({"num_workers": 1}, {"pin_memory": True}):
+        epoch = epoch_loader(DataLoader(ds, batch_size=4, **kw), epoch=0, seed=0)
+        assert isinstance(epoch, DataLoader) and not isinstance(epoch, FetchedEpoch)
 
 
 def test_whole_batches_keep_a_loaders_own_shuffled_order():

@@ -32,6 +32,7 @@ from torch.utils.data import (
 
 from jaxlightning.data.arrays import ArrayDataset
 from jaxlightning.data.convert import loader_batch_size, to_numpy
+from jaxlightning.data.fetch import FetchedEpoch, fetchable
 
 
 class EpochSampler(Sampler[int]):
@@ -249,8 +250,9 @@ class OwnedOrder:
     ``persistent_workers=True`` keeps its worker processes from epoch to epoch.
     A loader whose batches are rows of arrays (`indexable`) is not iterated at
     all: its epochs are indexed from the arrays (`IndexedEpoch`), the same
-    batches for a fifth of the host work. One pass at a time: the caller
-    finishes (or closes) a pass before the next.
+    batches for a fifth of the host work; one read example by example in this
+    process is fetched without the DataLoader's iterator (`FetchedEpoch`). One
+    pass at a time: the caller finishes (or closes) a pass before the next.
 
     Args:
         loader: a DataLoader for which `ownable` holds.
@@ -269,18 +271,23 @@ class OwnedOrder:
             len(loader.dataset), shuffle=shuffle, seed=seed, rank=rank, replicas=replicas
         )
         self.arrays = dataset_arrays(loader.dataset) if indexable(loader) else None
-        self.loader = (
-            None if self.arrays is not None else whole_batches(_rebuild(loader, self.sampler))
-        )
+        # read in this process, example by example: fetched here (`FetchedEpoch`)
+        self.fetched = loader if self.arrays is None and fetchable(loader) else None
+        self.loader = None
+        if self.arrays is None and self.fetched is None:
+            self.loader = whole_batches(_rebuild(loader, self.sampler))
 
     def epoch(self, epoch: int, skip_batches: int = 0) -> Iterable[Any]:
         """The loader, aimed at ``epoch`` from batch ``skip_batches`` on."""
         self.sampler.epoch = epoch
         self.sampler.start = skip_batches * self.batch_size
+        if self.loader is not None:
+            return self.loader
+        order = self.sampler.share(self.rank)[self.sampler.start :]
+        batches = EpochBatches(order, self.batch_size, self.drop_last)
         if self.arrays is not None:
-            order = self.sampler.share(self.rank)[self.sampler.start :]
-            return IndexedEpoch(self.arrays, EpochBatches(order, self.batch_size, self.drop_last))
-        return self.loader  # type: ignore[return-value]
+            return IndexedEpoch(self.arrays, batches)
+        return FetchedEpoch(self.fetched, batches)  # type: ignore[arg-type]
 
 
 def epoch_loader(
