@@ -411,3 +411,29 @@ def test_on_train_batch_start_return_minus_one(max_epochs, batch_idx_):
     assert trainer.current_epoch == max_epochs
     assert [last for _, i, last in seen if i == 9] in ([True] * max_epochs, [])
     assert not any(last for _, i, last in seen if i < 9)
+
+
+def test_batch_hooks_run_where_overridden_however_they_are_defined():
+    """Batch hooks are called only where someone overrides them: by a subclass,
+    a function set on the instance, or a mixin; a module's batch hook logs."""
+    seen = []
+
+    class Mixin:
+        def on_train_batch_start(self, trainer, module, batch_idx):
+            seen.append(("mixin", batch_idx))
+
+    class FromMixin(Mixin, jl.Callback):
+        pass
+
+    on_instance = jl.Callback()
+    on_instance.on_train_batch_end = lambda trainer, module, i: seen.append(("instance", i))
+
+    class Logs(LitMLP):
+        def on_train_batch_end(self, batch_idx):
+            seen.append(("module", batch_idx))
+            self.log("batch_idx", float(batch_idx))
+
+    trainer = quiet_trainer(max_epochs=1, callbacks=[jl.Callback(), FromMixin(), on_instance])
+    trainer.fit(Logs(), loader(*digits(48), 16))
+    assert seen == [(who, i) for i in range(3) for who in ("mixin", "instance", "module")]
+    assert float(trainer.callback_metrics["batch_idx"]) == 2.0  # logged at once, the last

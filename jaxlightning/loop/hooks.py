@@ -29,6 +29,17 @@ MODULE_HOOKS = frozenset(
 )
 
 
+# Hooks called for every batch whose base implementations (`Callback`'s and
+# `JaxModule`'s) do nothing: only those who override them are called.
+_BATCH_HOOKS = frozenset(f"on_{s}_batch_{when}" for s in _STAGES for when in ("start", "end"))
+
+
+def _own(obj: Any, hook: str, base: type) -> Any:
+    """``obj``'s ``hook``, or ``None`` where it has none or only ``base``'s."""
+    fn = getattr(obj, hook, None)
+    return None if getattr(fn, "__func__", None) is getattr(base, hook) else fn
+
+
 def _monitors(callback: Callback) -> bool:
     """Whether ``callback`` acts on monitored values (checkpointing, early stopping):
     at a train epoch's end it runs after the module, which may log them there."""
@@ -50,7 +61,19 @@ class Hooks:
     def __call__(self, hook: str, module: JaxModule, *args: Any) -> Any:
         """The callbacks' ``hook``, in order, then the module's (Lightning's order);
         returns what the module's returned (``on_train_batch_start``'s -1).
-        Meanwhile the module knows which hook runs (``self.log``'s rules)."""
+        Meanwhile the module knows which hook runs (``self.log``'s rules).
+
+        A batch hook runs only where it is overridden: the base ones do
+        nothing, and skipping them is ~10 us a step of a fit's host time."""
+        if hook in _BATCH_HOOKS:
+            fns = [fn for c in self.callbacks if (fn := _own(c, hook, Callback)) is not None]
+            own = _own(module, hook, JaxModule)
+            if not fns and own is None:
+                return None
+            with contract.in_hook(module, hook):
+                for fn in fns:
+                    fn(self.view, module, *args)
+                return None if own is None else own(*args)
         with contract.in_hook(module, hook):
             self._callbacks(hook, module, self.callbacks, *args)
             if hook in MODULE_HOOKS or (hook == "setup" and contract.stage_setup(module)):
