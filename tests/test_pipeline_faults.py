@@ -268,17 +268,21 @@ def test_state_read_in_a_callback_stays_valid_after_later_steps():
         np.testing.assert_array_equal(np.asarray(leaf), copy)
 
 
-def test_a_loader_the_user_drops_is_not_kept_alive_by_the_trainer():
+@pytest.mark.parametrize("per_example", [False, True], ids=["tensors", "per-example"])
+def test_a_loader_the_user_drops_is_not_kept_alive_by_the_trainer(per_example):
     """The pipeline builds its own loader once per user loader (so persistent
-    workers persist), but holds it only while the user holds theirs."""
+    workers persist), but holds it only while the user holds theirs (also
+    where it fetches a per-example dataset's batches itself)."""
     import gc
     import weakref
 
-    from tests.helpers import LitMLP, quiet_trainer
+    from tests.helpers import LitMLP, digits, quiet_trainer
 
     trainer = quiet_trainer(max_epochs=1)
     model = LitMLP()
     loader = _digits_loader(256)
+    if per_example:
+        loader = DataLoader(_Rows(*digits()), batch_size=256, shuffle=True)
     trainer.fit(model, loader, loader)
     out = trainer.predict(model, loader, concatenate=True)
     assert out["logits"].shape == (len(loader.dataset), 10)

@@ -12,7 +12,7 @@ a loader whose order the Trainer owns (`sampling.OwnedOrder`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -32,6 +32,19 @@ def fetchable(loader: DataLoader) -> bool:
     )
 
 
+class Fetch(NamedTuple):
+    """What fetching a DataLoader's batches takes (not the loader itself: the
+    Trainer keeps this while the user keeps the loader, which it must not pin)."""
+
+    dataset: Any
+    collate: Callable[[list[Any]], Any]
+    generator: torch.Generator | None
+
+    @classmethod
+    def of(cls, loader: DataLoader) -> Fetch:
+        return cls(loader.dataset, loader.collate_fn, loader.generator)
+
+
 class FetchedEpoch:
     """An epoch's batches of a `fetchable` DataLoader's dataset, one per array
     of row indices of ``batches`` (`sampling.EpochBatches`).
@@ -44,9 +57,9 @@ class FetchedEpoch:
     Dataset that draws from it sees the numbers it saw under the DataLoader.
     """
 
-    def __init__(self, loader: DataLoader, batches: Iterable[np.ndarray]) -> None:
-        self.dataset, self.batches, self.generator = loader.dataset, batches, loader.generator
-        self.collate: Callable[[list[Any]], Any] = loader.collate_fn
+    def __init__(self, fetch: Fetch, batches: Iterable[np.ndarray]) -> None:
+        self.dataset, self.collate, self.generator = fetch
+        self.batches = batches
 
     def __len__(self) -> int:
         return len(self.batches)  # type: ignore[arg-type]

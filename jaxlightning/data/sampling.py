@@ -32,7 +32,7 @@ from torch.utils.data import (
 
 from jaxlightning.data.arrays import ArrayDataset
 from jaxlightning.data.convert import loader_batch_size, to_numpy
-from jaxlightning.data.fetch import FetchedEpoch, fetchable
+from jaxlightning.data.fetch import Fetch, FetchedEpoch, fetchable
 
 
 class EpochSampler(Sampler[int]):
@@ -272,7 +272,7 @@ class OwnedOrder:
         )
         self.arrays = dataset_arrays(loader.dataset) if indexable(loader) else None
         # read in this process, example by example: fetched here (`FetchedEpoch`)
-        self.fetched = loader if self.arrays is None and fetchable(loader) else None
+        self.fetched = Fetch.of(loader) if self.arrays is None and fetchable(loader) else None
         self.loader = None
         if self.arrays is None and self.fetched is None:
             self.loader = whole_batches(_rebuild(loader, self.sampler))
