@@ -562,7 +562,10 @@ class JaxModule:
         ``add_dataloader_idx=False`` (then give each loader its own names).
 
         In a host-side hook (``on_train_epoch_end``, say) ``value`` is a host
-        number, logged at once at the current step under ``name`` as written.
+        number, logged at once at the current step under ``name`` as written;
+        in ``on_train_batch_start``/``on_train_batch_end`` by Lightning's rules
+        for those: ``on_step=True`` by default, sent to the loggers at the
+        logging interval, ``on_epoch=True`` the epoch's row-weighted mean.
         Where Lightning refuses ``self.log`` (``on_fit_start``, ``setup``,
         ``on_save_checkpoint``, the predict hooks, ...) it raises here too;
         without a Trainer it warns and records nothing.
@@ -604,8 +607,15 @@ class JaxModule:
                     f"self.log({name!r}, ..., on_step=False, on_epoch=False) would report "
                     "nothing; set one of them"
                 )
-            ahead = self._host_hook == "on_train_batch_start"
-            self._host_log(name, value, prog_bar=prog_bar, logger=logger, before_update=ahead)
+            self._host_log(
+                name,
+                value,
+                prog_bar=prog_bar,
+                logger=logger,
+                hook=self._host_hook,
+                on_step=on_step,
+                on_epoch=on_epoch,
+            )
             return
         if name in self._log_sink:
             raise ValueError(f"self.log({name!r}, ...) was called twice in one step")

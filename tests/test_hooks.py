@@ -436,4 +436,4 @@ def test_batch_hooks_run_where_overridden_however_they_are_defined():
     trainer = quiet_trainer(max_epochs=1, callbacks=[jl.Callback(), FromMixin(), on_instance])
     trainer.fit(Logs(), loader(*digits(48), 16))
     assert seen == [(who, i) for i in range(3) for who in ("mixin", "instance", "module")]
-    assert float(trainer.callback_metrics["batch_idx"]) == 2.0  # logged at once, the last
+    assert float(trainer.callback_metrics["batch_idx"]) == 2.0  # the last batch's

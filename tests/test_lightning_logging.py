@@ -438,3 +438,91 @@ def test_on_step_in_validation_logs_each_batch_and_the_epoch(tmp_path):
     assert [int(r["step"]) for r in rows] == [0, 1, 2]
     got = [float(r["val_loss_step"]) for r in rows]
     np.testing.assert_allclose(got, batch_means, rtol=1e-5)
+
+
+def _batch_hook_logs(log, batch_hook_logs_in_lightning):
+    """What ``log(module_or_pl_module, batch_idx)`` in the training batch hooks
+    sends to a CSVLogger and leaves in ``callback_metrics``: (step, name,
+    value) triples and the final values, with Lightning or the Trainer."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    rows = TensorDataset(torch.randn(14, 64), torch.zeros(14, dtype=torch.long))
+    data = DataLoader(rows, batch_size=4)  # 4, 4, 4 and 2 rows: the epoch mean is weighted
+    if batch_hook_logs_in_lightning:
+        import lightning as L
+
+        class Module(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(64, 1)
+
+            def training_step(self, batch, batch_idx):
+                return self.layer(batch[0]).sum()
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+            def on_train_batch_start(self, batch, batch_idx):
+                log(self, batch_idx, "start")
+
+        class Callback(L.Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+                log(module, batch_idx, "end")
+
+        logger = L.pytorch.loggers.CSVLogger(_batch_hook_logs.tmp, name="lightning")
+        trainer = L.Trainer(
+            max_epochs=2, log_every_n_steps=2, logger=logger, callbacks=[Callback()],
+            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        )  # fmt: skip
+        trainer.fit(Module(), data)
+        path = logger.experiment.metrics_file_path
+    else:
+
+        class Module(LitMLP):
+            def on_train_batch_start(self, batch_idx):
+                log(self, batch_idx, "start")
+
+        class Callback(jl.Callback):
+            def on_train_batch_end(self, trainer, module, batch_idx):
+                log(module, batch_idx, "end")
+
+        logger = jl.CSVLogger(_batch_hook_logs.tmp, name="ours")
+        trainer = lightning_trainer(
+            max_epochs=2, log_every_n_steps=2, logger=logger, callbacks=[Callback()]
+        )
+        trainer.fit(Module(), data)
+        path = logger.metrics_file_path
+    with open(path, newline="") as f:
+        sent = {
+            (int(r["step"]), name, round(float(value), 5))  # Lightning means in float32
+            for r in csv.DictReader(f)
+            for name, value in r.items()
+            if value and name.startswith(("start", "end"))
+        }
+    metrics = trainer.callback_metrics.items()
+    final = {k: round(float(v), 5) for k, v in metrics if k.startswith(("start", "end"))}
+    return sent, final
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"on_step": False, "on_epoch": True}, {"on_step": True, "on_epoch": True}],
+    ids=["default", "epoch", "both"],
+)
+def test_batch_hook_logs_reach_the_loggers_as_in_lightning(tmp_path, options):
+    """``self.log`` in on_train_batch_start/end (the module's, a callback's):
+    step values at the logging interval, the epoch's row-weighted mean at its
+    end, ``_step``/``_epoch`` with both; run by Lightning itself and by the
+    Trainer on the same 14-row loader, 2 epochs of 4 batches, a log every 2."""
+
+    def log(module, batch_idx, where):
+        module.log(where, float(batch_idx) + (0.5 if where == "end" else 0.0), **options)
+
+    _batch_hook_logs.tmp = str(tmp_path)
+    theirs = _batch_hook_logs(log, batch_hook_logs_in_lightning=True)
+    ours = _batch_hook_logs(log, batch_hook_logs_in_lightning=False)
+    assert ours == theirs
+    if options.get("on_epoch"):  # (0*4 + 1*4 + 2*4 + 3*2) / 14 rows
+        epoch = "end_epoch" if options.get("on_step") else "end"
+        assert ours[1][epoch] == round(18 / 14 + 0.5, 5)

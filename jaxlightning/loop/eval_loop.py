@@ -15,7 +15,8 @@ from jaxlightning.data import Pipeline
 from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.program import Program
 from jaxlightning.loop.progress import Progress
-from jaxlightning.loop.reporter import Report, Reporter, report
+from jaxlightning.loop.report import Report, report
+from jaxlightning.loop.reporter import Reporter
 from jaxlightning.metrics.logged import LogOptions
 from jaxlightning.metrics.objects import Rows
 from jaxlightning.module import JaxModule

@@ -13,7 +13,8 @@ from jaxlightning.loop.eval_loop import EvalLoop
 from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.program import Program
 from jaxlightning.loop.progress import Progress
-from jaxlightning.loop.reporter import Reporter, report
+from jaxlightning.loop.report import report
+from jaxlightning.loop.reporter import Reporter
 from jaxlightning.loop.state_points import StatePoints
 from jaxlightning.loop.stop import StopPolicy
 from jaxlightning.loop.val_check import ValCheck
@@ -219,8 +220,9 @@ class FitLoop:
         on a group's last batch, where the state is the batch's own. Returns
         whether the module's ``on_train_batch_start`` returned -1: the rest of
         the epoch is skipped (the batches of a dispatch already run, trained)."""
-        progress = self.progress
+        progress, batch_logs = self.progress, self.reporter.batch_logs
         first_idx = progress.batch_idx = group[0][0]
+        batch_logs.batch(first_idx, group[0][1].host.real)
         if self.hooks("on_train_batch_start", module, first_idx) == -1:
             return True  # the module skips the rest of the epoch (Lightning's -1)
         self.program.train_group([batch for _, batch in group])
@@ -235,6 +237,7 @@ class FitLoop:
             for i, (batch_idx, batch) in enumerate(group):
                 progress.steps_ahead = last - i
                 progress.batch_idx = batch_idx
+                batch_logs.batch(batch_idx, batch.host.real)
                 if i and self.hooks("on_train_batch_start", module, batch_idx) == -1:
                     skip_rest = True  # trained in this dispatch already: ends after it
                 progress.train_samples_seen += batch.host.real
@@ -252,6 +255,8 @@ class FitLoop:
                     self.points.before_use()  # a bad state is never saved
                 self.stop.poll_signal(at_report)
                 self.hooks("on_train_batch_end", module, batch_idx)
+                if at_report:  # what the batch hooks logged for this step
+                    self.reporter.publish(batch_logs.step_report())
                 if i == last and val_loaders is not None and not self.stop.signum:
                     self._validate_after(  # else after resuming
                         module, val_loaders, epoch, batch_idx + 1, epoch_batches, at_report
@@ -310,6 +315,7 @@ class FitLoop:
         prefix = self.reporter.prefix("train")
         values = report(prefix, options, acc.metrics, "step")
         values.update(report(prefix, options, acc.epoch, "epoch"))
+        values.update(self.reporter.batch_logs.epoch_end(self.progress.epoch_completed))
         self.reporter.publish(values)
         if self.progress.epoch_completed:
             self.program.held.reset_epoch()

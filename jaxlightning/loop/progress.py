@@ -76,12 +76,7 @@ class Progress:
         the index of the last update (0-based: the values of the first update
         are at step 0, an epoch's end at its last update's), outside a fit the
         number of updates made."""
-        return self.log_step_of(ahead=False)
-
-    def log_step_of(self, ahead: bool) -> int:
-        """`log_step`; with ``ahead`` (a value logged before an update, in
-        ``on_train_batch_start``), the step of that update."""
-        if not self.fitting or ahead:
+        if not self.fitting:
             return self.global_step
         return max(self.global_step - 1, 0)
 

@@ -1,87 +1,18 @@
-"""The reporter: where logged values go, under which names.
-
-`report` is pure Python over fetched metric states, no JAX: given what was
-logged with which `LogOptions`, it builds the values for ``callback_metrics``,
-the loggers and the progress bar, with Lightning's naming. The `Reporter`
-hands them out.
-"""
+"""The reporter: hands reported values (`report.Report`) to
+``callback_metrics``, the progress bar and the loggers."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from jaxlightning.loggers import Logger
 from jaxlightning.loggers.base import VersionedLogger, finalize_all
+from jaxlightning.loop.batch_logs import HOOKS as BATCH_HOOKS
+from jaxlightning.loop.batch_logs import BatchLogs
 from jaxlightning.loop.progress import Progress
-from jaxlightning.metrics.logged import LogOptions, host_value
-
-# Words that mark a name as already carrying its stage: `val_loss`, `val/acc`.
-_STAGE_WORDS = {"train": ("train",), "val": ("val", "valid", "validation"), "test": ("test",)}
-
-
-def full_name(prefix: str | None, name: str) -> str:
-    """The name a logged value is reported under: as logged (``prefix=None``,
-    Lightning's rule, the default), or ``prefix/name`` (``train/acc``) under
-    ``Trainer(stage_prefix=True)``, where a name that already carries its stage
-    (``val_loss``, ``val/acc``) stays as written."""
-    if prefix is None:
-        return name
-    for word in _STAGE_WORDS.get(prefix, (prefix,)):
-        if name.startswith((word + "_", word + "/")):
-            return name
-    return f"{prefix}/{name}"
-
-
-@dataclasses.dataclass
-class Report:
-    """Values to hand out: ``values`` to ``callback_metrics`` (all of them),
-    ``logged`` to the loggers, ``bar`` to the progress bar."""
-
-    values: dict[str, float] = dataclasses.field(default_factory=dict)
-    logged: dict[str, float] = dataclasses.field(default_factory=dict)
-    bar: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def update(self, other: Report) -> None:
-        self.values.update(other.values)
-        self.logged.update(other.logged)
-        self.bar.update(other.bar)
-
-
-def report(
-    prefix: str | None,
-    options: Mapping[str, LogOptions],
-    metrics: Mapping[str, Any],
-    level: str,
-    suffix: str = "",
-) -> Report:
-    """The ``level`` (``"step"`` or ``"epoch"``) values of fetched ``metrics``.
-
-    A name logged both per step and per epoch is reported as ``<name>_step``
-    and ``<name>_epoch``, as in Lightning; ``callback_metrics`` also gets the
-    plain name with the latest of the two. Names that saw no real row are
-    left out.
-    """
-    out = Report()
-    for name, metric in metrics.items():
-        opts = options[name]
-        if not (opts.on_step if level == "step" else opts.on_epoch):
-            continue
-        value = host_value(metric)
-        if value is None:
-            continue
-        plain = full_name(prefix, name) + (suffix if opts.add_dataloader_idx else "")
-        key = plain + (f"_{level}" if opts.on_step and opts.on_epoch else "")
-        out.values[key] = out.values[plain] = value
-        if not isinstance(value, float):
-            continue  # a matrix: callback_metrics and results only (loggers take numbers)
-        if opts.logger:
-            out.logged[key] = value
-        if opts.prog_bar:
-            out.bar[key] = value
-    return out
+from jaxlightning.loop.report import Report
 
 
 def as_loggers(logger: Any) -> list[Logger]:
@@ -118,10 +49,12 @@ class Reporter:
         self.progress_bar_metrics: dict[str, float] = {}
         self._discard = False
         self._host_logged: dict[str, float] | None = None
+        self.batch_logs = BatchLogs()  # what the training batch hooks log
 
     def reset(self) -> None:
         """Forgets every reported value (a Trainer call starts, as in Lightning)."""
         self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
+        self.batch_logs = BatchLogs()
 
     def prefix(self, stage: str) -> str | None:
         """The prefix names logged in ``stage`` (``"train"``, ``"val"``,
@@ -138,9 +71,8 @@ class Reporter:
         """The first logger's run directory (checkpoints go there by default)."""
         return self.loggers[0].log_dir if self.loggers else None
 
-    def publish(self, values: Report, *, ahead: bool = False) -> None:
-        """Hands reported values to ``callback_metrics``, the bar and the loggers
-        (``ahead``: at the step of the update to come)."""
+    def publish(self, values: Report) -> None:
+        """Hands reported values to ``callback_metrics``, the bar and the loggers."""
         self.callback_metrics = {**self.callback_metrics, **values.values}
         self.progress_bar_metrics = {**self.progress_bar_metrics, **values.bar}
         if values.logged and not self._discard:
@@ -149,7 +81,7 @@ class Reporter:
             self.logged_metrics = {**self.logged_metrics, **values.logged}
             sent = {"epoch": float(self.progress.current_epoch), **values.logged}
             for logger in self.loggers:
-                logger.log_metrics(sent, step=self.progress.log_step_of(ahead))
+                logger.log_metrics(sent, step=self.progress.log_step)
 
     def log_batches(self, reports: list[Report]) -> None:
         """An evaluation's per-batch values (``on_step=True``) to the loggers, at
@@ -177,10 +109,19 @@ class Reporter:
             self.callback_metrics, self.progress_bar_metrics, self._discard = before
 
     def log_host(
-        self, name: str, value: Any, *, prog_bar: bool, logger: bool, before_update: bool = False
+        self,
+        name: str,
+        value: Any,
+        *,
+        prog_bar: bool,
+        logger: bool,
+        hook: str = "",
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
     ) -> None:
-        """``self.log`` from a module's host-side hook: logged at once, as named
-        (``before_update``: in ``on_train_batch_start``, with the update to come)."""
+        """``self.log`` from a module's host-side ``hook``: logged at once, as
+        named; in a training batch hook by Lightning's rules for those
+        (`BatchLogs`: the step values at the logging interval, the epoch's mean)."""
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -188,6 +129,10 @@ class Reporter:
                 f"self.log({name!r}, ...) in a host-side hook got a {type(value).__name__}; "
                 "log a number"
             ) from None
+        if hook in BATCH_HOOKS:
+            opts = {"on_step": on_step, "on_epoch": on_epoch, "prog_bar": prog_bar}
+            self.publish(self.batch_logs.add(name, number, **opts, logger=logger))
+            return
         values = Report(values={name: number})
         if self._host_logged is not None:
             self._host_logged[name] = number
@@ -195,7 +140,7 @@ class Reporter:
             values.logged[name] = number
         if prog_bar:
             values.bar[name] = number
-        self.publish(values, ahead=before_update)
+        self.publish(values)
 
     @contextlib.contextmanager
     def collecting_host_logs(self) -> Iterator[dict[str, float]]:

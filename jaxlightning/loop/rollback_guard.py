@@ -10,7 +10,8 @@ from jaxlightning.callbacks.rollback import Rollback, RollbackScaleState
 from jaxlightning.cluster import distributed
 from jaxlightning.loop.held_state import HeldState, NonFiniteLossError
 from jaxlightning.loop.progress import Progress
-from jaxlightning.loop.reporter import Report, Reporter
+from jaxlightning.loop.report import Report
+from jaxlightning.loop.reporter import Reporter
 from jaxlightning.metrics.logged import host_value
 from jaxlightning.training.step import LOSS_MAX
 
