@@ -29,8 +29,14 @@ class _Logged:
     total: float = 0.0  # the epoch's row-weighted sum
     rows: int = 0
 
-    def name(self, plain: str, level: str) -> str:
-        return f"{plain}_{level}" if self.on_step and self.on_epoch else plain
+    def show(self, out: Report, plain: str, level: str, value: float) -> str:
+        """Puts ``value`` of ``level`` (``"step"``, ``"epoch"``) in ``out``'s
+        ``callback_metrics`` and bar values; returns its name for the loggers."""
+        key = f"{plain}_{level}" if self.on_step and self.on_epoch else plain
+        out.values[key] = out.values[plain] = value
+        if self.prog_bar:
+            out.bar[key] = value
+        return key
 
 
 class BatchLogs:
@@ -74,10 +80,7 @@ class BatchLogs:
             logged.total += value * self._rows
             logged.rows += self._rows
         if logged.on_step:
-            key = logged.name(name, "step")
-            out.values[key] = out.values[name] = value
-            if logged.prog_bar:
-                out.bar[key] = value
+            key = logged.show(out, name, "step", value)
             if logged.logger:
                 self._pending[key] = value
         return out
@@ -97,12 +100,9 @@ class BatchLogs:
             if not logged.on_epoch or not logged.rows:
                 continue
             value = logged.total / logged.rows
-            key = logged.name(name, "epoch")
-            out.values[key] = out.values[name] = value
+            key = logged.show(out, name, "epoch", value)
             if logged.logger:
                 out.logged[key] = value
-            if logged.prog_bar:
-                out.bar[key] = value
         if completed:
             self._logged = {}
         return out
