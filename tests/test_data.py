@@ -278,6 +278,23 @@ def test_per_example_batches_fetched_by_the_trainer_equal_the_dataloaders(
         assert asked == ds.asked[len(asked) :] and all(type(i) is int for i in asked[0])
 
 
+@pytest.mark.parametrize("per_example", [False, True], ids=["tensors", "per-example"])
+def test_an_epoch_resumed_at_its_short_last_batch_keeps_the_loaders_batch_size(per_example):
+    """The batches are padded to the loader's batch size, not to the first
+    batch's rows: an epoch resumed at its short last batch compiles nothing new
+    (a run resumed there once trained on other shapes than the straight run)."""
+    from torch.utils.data import TensorDataset
+
+    from jaxlightning.data.convert import loader_batch_size
+    from jaxlightning.data.sampling import epoch_loader
+
+    x = torch.randn(20, 3)
+    ds = _Samples("tuple", n=20) if per_example else TensorDataset(x)
+    epoch = epoch_loader(DataLoader(ds, batch_size=8), epoch=0, seed=0, skip_batches=2)
+    assert [len(jax.tree.leaves(b)[0]) for b in epoch] == [4]
+    assert loader_batch_size(epoch) == 8
+
+
 def test_per_example_loaders_read_by_workers_or_pinned_stay_dataloaders():
     from jaxlightning.data.fetch import FetchedEpoch
     from jaxlightning.data.sampling import epoch_loader

@@ -60,6 +60,8 @@ class FetchedEpoch:
     def __init__(self, fetch: Fetch, batches: Iterable[np.ndarray]) -> None:
         self.dataset, self.collate, self.generator = fetch
         self.batches = batches
+        # the loader's (the batches are padded to it: a resumed epoch may start short)
+        self.batch_size: int | None = getattr(batches, "batch_size", None)
 
     def __len__(self) -> int:
         return len(self.batches)  # type: ignore[arg-type]

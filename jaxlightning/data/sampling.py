@@ -233,6 +233,8 @@ class IndexedEpoch:
 
     def __init__(self, arrays: Any, batches: EpochBatches) -> None:
         self.arrays, self.batches = arrays, batches
+        # the loader's (the batches are padded to it: a resumed epoch may start short)
+        self.batch_size = batches.batch_size
 
     def __len__(self) -> int:
         return len(self.batches)
