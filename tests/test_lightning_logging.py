@@ -440,7 +440,7 @@ def test_on_step_in_validation_logs_each_batch_and_the_epoch(tmp_path):
     np.testing.assert_allclose(got, batch_means, rtol=1e-5)
 
 
-def _batch_hook_logs(log, batch_hook_logs_in_lightning):
+def _batch_hook_logs(log, root, lightning):
     """What ``log(module_or_pl_module, batch_idx)`` in the training batch hooks
     sends to a CSVLogger and leaves in ``callback_metrics``: (step, name,
     value) triples and the final values, with Lightning or the Trainer."""
@@ -449,7 +449,7 @@ def _batch_hook_logs(log, batch_hook_logs_in_lightning):
 
     rows = TensorDataset(torch.randn(14, 64), torch.zeros(14, dtype=torch.long))
     data = DataLoader(rows, batch_size=4)  # 4, 4, 4 and 2 rows: the epoch mean is weighted
-    if batch_hook_logs_in_lightning:
+    if lightning:
         import lightning as L
 
         class Module(L.LightningModule):
@@ -470,7 +470,7 @@ def _batch_hook_logs(log, batch_hook_logs_in_lightning):
             def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
                 log(module, batch_idx, "end")
 
-        logger = L.pytorch.loggers.CSVLogger(_batch_hook_logs.tmp, name="lightning")
+        logger = L.pytorch.loggers.CSVLogger(root, name="lightning")
         trainer = L.Trainer(
             max_epochs=2, log_every_n_steps=2, logger=logger, callbacks=[Callback()],
             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -487,7 +487,7 @@ def _batch_hook_logs(log, batch_hook_logs_in_lightning):
             def on_train_batch_end(self, trainer, module, batch_idx):
                 log(module, batch_idx, "end")
 
-        logger = jl.CSVLogger(_batch_hook_logs.tmp, name="ours")
+        logger = jl.CSVLogger(root, name="ours")
         trainer = lightning_trainer(
             max_epochs=2, log_every_n_steps=2, logger=logger, callbacks=[Callback()]
         )
@@ -519,9 +519,8 @@ def test_batch_hook_logs_reach_the_loggers_as_in_lightning(tmp_path, options):
     def log(module, batch_idx, where):
         module.log(where, float(batch_idx) + (0.5 if where == "end" else 0.0), **options)
 
-    _batch_hook_logs.tmp = str(tmp_path)
-    theirs = _batch_hook_logs(log, batch_hook_logs_in_lightning=True)
-    ours = _batch_hook_logs(log, batch_hook_logs_in_lightning=False)
+    theirs = _batch_hook_logs(log, str(tmp_path), lightning=True)
+    ours = _batch_hook_logs(log, str(tmp_path), lightning=False)
     assert ours == theirs
     if options.get("on_epoch"):  # (0*4 + 1*4 + 2*4 + 3*2) / 14 rows
         epoch = "end_epoch" if options.get("on_step") else "end"
