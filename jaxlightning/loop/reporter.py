@@ -73,6 +73,8 @@ class Reporter:
 
     def publish(self, values: Report) -> None:
         """Hands reported values to ``callback_metrics``, the bar and the loggers."""
+        if not (values.values or values.logged or values.bar):
+            return  # nothing (a report step whose batch hooks logged nothing)
         self.callback_metrics = {**self.callback_metrics, **values.values}
         self.progress_bar_metrics = {**self.progress_bar_metrics, **values.bar}
         if values.logged and not self._discard:
