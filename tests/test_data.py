@@ -353,3 +353,65 @@ def test_cpu_fit_loads_with_one_torch_thread_and_restores_the_setting():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+class _DigitRows(Dataset):
+    """The digits behind a per-example ``__getitem__`` (the Trainer fetches it)."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.x, self.y = torch.from_numpy(x), torch.from_numpy(y)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.parametrize(
+    "per_example, depth, threaded",
+    [(True, None, False), (False, None, True), (True, 2, True)],
+    ids=["per-example", "tensors", "per-example-depth-2"],
+)
+def test_per_example_loading_runs_in_the_loop_on_cpu_unless_asked(per_example, depth, threaded):
+    """On the CPU backend a per-example Dataset the Trainer fetches itself is
+    read in the loop's own thread (its Python holds the GIL: a thread only
+    adds hand-overs); whole-batch loading keeps the prefetch thread, and so
+    does a ``prefetch_depth`` the user sets. The trained parameters are the
+    same bits either way."""
+    from torch.utils.data import TensorDataset
+
+    import jaxlightning as jl
+    from tests.helpers import (
+        LitMLP,
+        assert_bitwise_equal,
+        digits,
+        init_mlp,
+        quiet_trainer,
+        trained_params,
+    )
+
+    x, y = digits(96)
+    tensors = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+    ds = _DigitRows(x, y) if per_example else tensors
+    prefetching = []
+
+    class Watch(jl.Callback):
+        def on_train_batch_end(self, trainer, module, batch_idx):
+            prefetching.append(any(t.name == "jl-prefetch" for t in threading.enumerate()))
+
+    def fit(strategy):
+        # on the host path (resident data has no thread to decide on)
+        trainer = quiet_trainer(
+            max_epochs=1, devices=1, strategy=strategy, callbacks=[Watch()], data_on_device=False
+        )
+        trainer.fit(LitMLP(init_variables=init_mlp()), DataLoader(ds, batch_size=16))
+        return trained_params(trainer)
+
+    params = fit(jl.ShardMapStrategy(prefetch_depth=depth))
+    # after the first batch, a thread with 5 batches to go still runs (it may
+    # have prepared all of them and ended before the last)
+    assert len(prefetching) == 6 and prefetching[0] == threaded
+    if not threaded:
+        assert not any(prefetching)
+    assert_bitwise_equal(params, fit(jl.ShardMapStrategy(prefetch_depth=1 if depth is None else 0)))

@@ -157,6 +157,29 @@ def test_300_steps_on_8_devices_finish_without_collectives_deadlock():
     assert np.isfinite(trainer.callback_metrics["train/loss"])
 
 
+@pytest.mark.parametrize(
+    "devices, asked, bound", [(1, None, 8), (8, None, 2), (1, 3, 3)], ids=["one", "eight", "set"]
+)
+def test_steps_in_flight_are_bounded_by_8_on_one_cpu_device_and_2_with_collectives(
+    devices, asked, bound
+):
+    """One CPU device has no collectives to deadlock: its loop may run 8 steps
+    ahead of the device; several keep 2; a ``max_in_flight`` set is kept. Over
+    12 steps the loop holds that many dispatched steps, never more."""
+    x, y = digits(12 * 16)
+    held_most = []
+
+    class Watch(jl.Callback):
+        def on_train_batch_end(self, trainer, module, batch_idx):
+            held_most.append(len(trainer._program.held._in_flight))
+
+    strategy = ShardMapStrategy(max_in_flight=asked)
+    trainer = quiet_trainer(max_epochs=1, devices=devices, strategy=strategy, callbacks=[Watch()])
+    trainer.fit(LitMLP(hidden=16), loader(x, y, 16))
+    assert strategy.max_in_flight == bound
+    assert max(held_most) == bound
+
+
 def test_initial_state_is_bitwise_a_plain_jit_of_setup():
     # The Trainer compiles its run-once init program with options chosen for
     # compile speed; the values must still be exactly those of the default compile.
@@ -199,3 +222,28 @@ def test_on_cpu_the_step_reuses_the_state_but_the_parameters_with_the_same_bits(
     assert all(x.is_deleted() for x in jax.tree.leaves(cpu.opt_state))
     assert all(x.is_deleted() for x in jax.tree.leaves(donating_all.params))
     assert_bitwise_equal(runs["cpu"], runs["all"])
+
+
+def test_a_state_with_other_parameters_is_its_replace_and_leaves_it_as_it_was():
+    """`TrainState.with_params` (the host's fast ``replace(params=...)``, twice
+    a step on CPU) builds the same frozen state and changes nothing else."""
+    import dataclasses
+
+    from jaxlightning.training.state import TrainState
+
+    state = TrainState(
+        step=np.int32(3),
+        params={"w": np.ones(2)},
+        opt_state=(np.zeros(2),),
+        model_state={"batch_stats": {"m": np.ones(1)}},
+        rng=np.arange(2, dtype=np.uint32),
+    )
+    new = state.with_params({"w": np.full(2, 5.0)})
+    expected = state.replace(params={"w": np.full(2, 5.0)})
+    assert type(new) is TrainState
+    assert jax.tree.structure(new) == jax.tree.structure(expected)
+    assert_bitwise_equal(new, expected)
+    assert_bitwise_equal(state.params, {"w": np.ones(2)})
+    assert new.opt_state is state.opt_state and new.rng is state.rng
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        new.params = None  # type: ignore[misc]

@@ -23,6 +23,7 @@ import numpy as np
 from jaxlightning.cluster import distributed
 from jaxlightning.data.buckets import bucket_sizes
 from jaxlightning.data.convert import Padder, Rows, loader_batch_size
+from jaxlightning.data.fetch import FetchedEpoch
 from jaxlightning.data.prefetch import Batches, DeviceBatch, Prefetcher
 from jaxlightning.data.resident import ResidentDataset, device_budget, residable
 from jaxlightning.data.sampling import (
@@ -380,7 +381,8 @@ class Pipeline:
                 return DeviceBatch(host, data, rows, state)
 
             source = loader if total is None else _exactly(loader, total)
-            prefetcher = Prefetcher(source, prepare, depth=self.strategy.prefetch_depth)
+            depth = self.strategy.prefetch_depth_for(isinstance(loader, FetchedEpoch))
+            prefetcher = Prefetcher(source, prepare, depth=depth)
         batches = Batches(prefetcher)
         if batches.first is None and not allow_empty:
             batches.close()

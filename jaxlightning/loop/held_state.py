@@ -118,7 +118,9 @@ class HeldState:
         """Dispatches ``step(state, acc, *args)``, holds what it returns and
         waits for an older step past the bound."""
         self._state, self._acc = step(self._state, self._acc, *args)
-        self.throttle(self._acc)
+        # A step's outputs are all ready at once: one scalar stands for them
+        # (waiting on a whole tree flattens it every step).
+        self.throttle(self._acc.first_nonfinite)
 
     def apply(self, update: Callable[[TrainState], TrainState]) -> None:
         """Replaces the state by ``update(state)`` (an already compiled program
