@@ -415,3 +415,59 @@ def test_per_example_loading_runs_in_the_loop_on_cpu_unless_asked(per_example, d
     if not threaded:
         assert not any(prefetching)
     assert_bitwise_equal(params, fit(jl.ShardMapStrategy(prefetch_depth=1 if depth is None else 0)))
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.mark.parametrize("managed", [None, "frozen", "disabled"])
+def test_a_full_collection_in_a_call_freezes_the_heap_it_found_until_the_call_ends(managed):
+    """A per-example loader sends objects to the collector's oldest generation
+    each step; a full collection then visits the whole heap of JAX, Flax and
+    torch. The first full collection in a Trainer call is followed by
+    ``gc.freeze``, undone when the call ends; cycles made in the call are still
+    collected. A process that manages its collector is left as it is."""
+    import gc
+    import weakref
+
+    import jaxlightning as jl
+    from tests.helpers import LitMLP, digits, init_mlp, quiet_trainer
+
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    callbacks = list(gc.callbacks)
+    seen = {}
+
+    class Collect(jl.Callback):
+        def on_train_batch_end(self, trainer, module, batch_idx):
+            if batch_idx == 1:
+                gc.collect()
+                seen["frozen"] = gc.get_freeze_count()
+                cycle = _Cycle()
+                seen["cycle"] = weakref.ref(cycle)
+                del cycle
+            elif batch_idx == 2:
+                gc.collect()
+                seen["cycle_collected"] = seen["cycle"]() is None
+
+    x, y = digits(64)
+    trainer = quiet_trainer(max_epochs=1, devices=1, callbacks=[Collect()])
+    if managed == "frozen":
+        gc.freeze()
+    elif managed == "disabled":
+        gc.disable()
+    before = gc.get_freeze_count()
+    try:
+        trainer.fit(LitMLP(init_variables=init_mlp()), DataLoader(_DigitRows(x, y), batch_size=16))
+        after = gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    assert seen["cycle_collected"]
+    assert gc.callbacks == callbacks
+    if managed is None:
+        assert before == 0 and seen["frozen"] > 10_000 and after == 0
+    else:  # what the process froze stays frozen (less what was freed), nothing more
+        assert seen["frozen"] <= before and after <= before
+        assert managed == "disabled" or after > 10_000

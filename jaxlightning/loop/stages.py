@@ -11,6 +11,7 @@ from jaxlightning.cluster.rank_zero import rank_zero_info
 from jaxlightning.data.datamodule import prepare as prepare_datamodule
 from jaxlightning.data.prefetch import torch_threads
 from jaxlightning.loop import signals
+from jaxlightning.loop.collector import frozen_after_full_collection
 from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.reporter import Reporter
 from jaxlightning.module import JaxModule
@@ -54,7 +55,11 @@ class Stages:
                 self.reporter.reset()  # each call reports its own values (Lightning's reset)
                 # One torch thread for in-process loading while XLA computes on the CPU.
                 threads = 1 if self.strategy.on_cpu else None
-                with self._failures(module, stage, datamodule), torch_threads(threads):
+                with (
+                    self._failures(module, stage, datamodule),
+                    torch_threads(threads),
+                    frozen_after_full_collection(),
+                ):
                     yield
             finally:
                 self.stage = previous
