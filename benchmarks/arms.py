@@ -27,14 +27,18 @@ def _median(xs: list[float]) -> float:
 def vs_bare_jit(size: dict[str, int], rounds: int) -> dict[str, Any]:
     """Arm 1: Trainer.fit vs a bare jax.jit loop, digits-sized MLP, 1 device.
 
-    Over a `TensorDataset` (which the Trainer fetches a batch at a time) and over a
-    per-example Dataset (which it cannot: the Trainer's own overhead).
+    Over a `TensorDataset` (which the Trainer fetches a batch at a time), over a
+    per-example Dataset (which it fetches a row at a time, as the DataLoader
+    does: the Trainer's own overhead), and over the per-example Dataset read by
+    2 persistent DataLoader workers (loading in other processes).
     """
     out: dict[str, Any] = {}
     rounds = max(rounds, 5) if rounds > 1 else rounds  # ratios near 1 need more rounds
-    for batch, per_example in ((128, False), (1024, False), (128, True), (1024, True)):
+    cases = ((128, False, 0), (1024, False, 0), (128, True, 0), (1024, True, 0), (128, True, 2))
+    for batch, per_example, workers in cases:
         x, y = common.data(size["steps"] * batch, 64)
-        dl = common.loader(x, y, batch, per_example=per_example)
+        workers_kw = {"num_workers": workers, "persistent_workers": workers > 0}
+        dl = common.loader(x, y, batch, per_example=per_example, **workers_kw)
         res = common.interleave(
             rounds,
             {
@@ -44,7 +48,8 @@ def vs_bare_jit(size: dict[str, int], rounds: int) -> dict[str, Any]:
         )
         bare = [common.steady(t) for t, _ in res["bare"]]
         ours = [common.steady(t) for t, _ in res["trainer"]]
-        out[f"batch_{batch}{'_per_example' if per_example else ''}"] = {
+        name = f"batch_{batch}{'_per_example' if per_example else ''}"
+        out[name + (f"_{workers}_workers" if workers else "")] = {
             "ratio": _median([b / o for b, o in zip(bare, ours, strict=True)]),
             # Fastest round against fastest round: the least disturbed by other load.
             "best_ratio": min(bare) / min(ours),

@@ -52,8 +52,9 @@ GROUPS: dict[str, tuple[int, list[str]]] = {
 TARGETS: list[tuple[str, float, bool]] = [
     ("single.vs_bare_jit.batch_128.ratio", 0.90, True),
     ("single.vs_bare_jit.batch_1024.ratio", 0.97, True),
-    ("single.vs_bare_jit.batch_128_per_example.ratio", 0.90, True),
-    ("single.vs_bare_jit.batch_1024_per_example.ratio", 0.97, True),
+    ("single.vs_bare_jit.batch_128_per_example.ratio", 0.95, True),
+    ("single.vs_bare_jit.batch_1024_per_example.ratio", 0.95, True),
+    ("single.vs_bare_jit.batch_128_per_example_2_workers.ratio", 0.95, True),
     ("single.vs_lightning.samples_per_s_ratio", 2.0, True),
     ("single.step_extras.ratio", 0.90, True),
     ("single.logging_cost.every_50_vs_off", 0.98, True),

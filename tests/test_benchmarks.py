@@ -26,6 +26,8 @@ def test_benchmark_suite_runs_on_tiny_settings(tmp_path):
     single, multi = results["groups"]["single"], results["groups"]["multi"]
     # Arms that should agree numerically do (the suite checks its own arms).
     assert single["vs_bare_jit"]["batch_128"]["params_max_diff"] < 1e-4
+    # Read by DataLoader workers, the same batches train the same parameters.
+    assert single["vs_bare_jit"]["batch_128_per_example_2_workers"]["params_max_diff"] < 1e-4
     assert single["vs_seeds_pmap"]["params_max_diff"] < 1e-5
     assert multi["vs_seeds_pmap"]["devices"] == 8
     assert multi["vs_seeds_pmap"]["params_max_diff"] < 1e-5
