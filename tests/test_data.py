@@ -471,3 +471,51 @@ def test_a_full_collection_in_a_call_freezes_the_heap_it_found_until_the_call_en
     else:  # what the process froze stays frozen (less what was freed), nothing more
         assert seen["frozen"] <= before and after <= before
         assert managed == "disabled" or after > 10_000
+
+
+class _Recorded(_DigitRows):
+    """Records the rows it is asked for; row ``bad`` raises."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, bad: int | None = None) -> None:
+        super().__init__(x, y)
+        self.loaded: list[int] = []
+        self.bad = bad
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError(f"row {i} is unreadable")
+        self.loaded.append(i)
+        return super().__getitem__(i)
+
+
+def test_a_report_loads_the_next_batch_before_it_waits_for_the_steps_in_flight():
+    """With loading in the loop's thread, a report (which waits for the steps in
+    flight to read their metrics) first loads the next batch, so that it loads
+    while they run; other steps load theirs when they come. An error loading a
+    batch ahead is raised at that batch, after the report's batch hooks."""
+    import jaxlightning as jl
+    from tests.helpers import LitMLP, digits, init_mlp, quiet_trainer
+
+    x, y = digits(96)
+    events: list[tuple[str, int, int]] = []
+
+    def fit(ds):
+        class Watch(jl.Callback):
+            def on_train_batch_start(self, trainer, module, batch_idx):
+                events.append(("start", batch_idx, max(ds.loaded)))
+
+            def on_train_batch_end(self, trainer, module, batch_idx):
+                events.append(("end", batch_idx, max(ds.loaded)))
+
+        # reports after steps 2, 4 and 6 (batches 1, 3, 5) of 16-row batches
+        trainer = quiet_trainer(max_epochs=1, devices=1, log_every_n_steps=2, callbacks=[Watch()])
+        trainer.fit(LitMLP(init_variables=init_mlp()), DataLoader(ds, batch_size=16))
+
+    fit(_Recorded(x, y))
+    ends = [last for what, _, last in events if what == "end"]
+    assert ends == [15, 47, 47, 79, 79, 95]  # after a report, the next batch's rows too
+    events.clear()
+    with pytest.raises(ValueError, match="row 40 is unreadable"):
+        fit(_Recorded(x, y, bad=40))  # in batch 2, loaded ahead at batch 1's report
+    hooks = [(what, i) for what, i, _ in events]
+    assert hooks == [("start", 0), ("end", 0), ("start", 1), ("end", 1)]

@@ -16,7 +16,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -95,6 +95,12 @@ def start_on_caller(loader: Iterable[Any]) -> tuple[Iterator[Any], Any]:
         return items, next(items, _END)
 
 
+class _Failed(NamedTuple):
+    """An error preparing an item ahead, raised when the item is asked for."""
+
+    error: Exception
+
+
 class Prefetcher:
     """Iterates ``loader`` on a background thread, ``depth`` batches ahead.
 
@@ -120,6 +126,7 @@ class Prefetcher:
         self._stop = threading.Event()
         if depth == 0:  # no thread: prepare each item when it is asked for
             self._sync: Iterator[Any] | None = (prepare(item) for item in loader)
+            self._ahead: collections.deque[Any] = collections.deque(maxlen=1)
             return
         self._sync = None
         items, first = start_on_caller(loader)
@@ -171,10 +178,29 @@ class Prefetcher:
             return
         self._put(_END)
 
+    def load_ahead(self) -> None:
+        """Prepares the next item now, in this thread (``depth=0``; a thread is
+        ahead already). The loop asks before it waits for the device (a report
+        fetches the metrics of the steps in flight), so that the next batch
+        loads while they run instead of after, with the device idle. An error
+        preparing it is raised where the item would have been."""
+        if self._sync is None or self._ahead:
+            return
+        try:
+            self._ahead.append(next(self._sync, _END))
+        except Exception as exc:
+            self._ahead.append(_Failed(exc))
+
     def __iter__(self) -> Iterator[Any]:
         if self._sync is not None:
-            yield from self._sync
-            return
+            ahead, items = self._ahead, self._sync
+            while True:
+                item = ahead.popleft() if ahead else next(items, _END)
+                if item is _END:
+                    return
+                if isinstance(item, _Failed):
+                    raise item.error
+                yield item
         while True:
             item = self._get()
             if item is _END:
@@ -220,6 +246,10 @@ class Batches:
         if self.first is not None:
             yield self.first
             yield from self._rest
+
+    def load_ahead(self) -> None:
+        """See `Prefetcher.load_ahead`."""
+        self._prefetcher.load_ahead()
 
     def close(self) -> None:
         self._prefetcher.close()

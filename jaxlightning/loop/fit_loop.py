@@ -64,6 +64,7 @@ class FitLoop:
         self.num_sanity_val_steps = num_sanity_val_steps
         self.points = points
         self._epoch_runs_out = False  # this epoch ends at its loader's end (not max_steps)
+        self._load_ahead: Any = None  # the epoch's `Batches.load_ahead`
         self.validate_at_epoch_end = False
         self.val_check = ValCheck(schedule, stop, progress)
 
@@ -167,6 +168,7 @@ class FitLoop:
             done = batch_idx + 1
             return self._group_ends(epoch, done, done - skip, size, epoch_batches, val_loaders)
 
+        self._load_ahead = batches.load_ahead  # before a report's wait on the device
         for group in data.groups(batches, skip, ends):
             if self.stop.before_batch():
                 return
@@ -291,6 +293,7 @@ class FitLoop:
 
     def _report_train(self) -> None:
         """Reports the values of this logging interval and starts the next one."""
+        self._load_ahead()
         acc = self.program.held.fetch_metrics()
         if self.points.rolled_back(acc):
             return  # the interval's values went with its state
@@ -311,8 +314,7 @@ class FitLoop:
         acc = self.program.held.fetch_metrics()
         if self.points.rolled_back(acc):
             acc = self.program.held.fetch_metrics()  # the good point's
-        options = self.program.train_options
-        prefix = self.reporter.prefix("train")
+        options, prefix = self.program.train_options, self.reporter.prefix("train")
         values = report(prefix, options, acc.metrics, "step")
         values.update(report(prefix, options, acc.epoch, "epoch"))
         values.update(self.reporter.batch_logs.epoch_end(self.progress.epoch_completed))
