@@ -96,9 +96,10 @@ def start_on_caller(loader: Iterable[Any]) -> tuple[Iterator[Any], Any]:
 
 
 class _Failed(NamedTuple):
-    """An error preparing an item ahead, raised when the item is asked for."""
+    """An error preparing an item (on the thread, or ahead in the loop's),
+    raised in the consuming thread when the item is asked for."""
 
-    error: Exception
+    error: BaseException
 
 
 class Prefetcher:
@@ -174,7 +175,7 @@ class Prefetcher:
                 if not self._put(prepare(item)):
                     return
         except BaseException as exc:  # forwarded to the consumer
-            self._put(exc)
+            self._put(_Failed(exc))
             return
         self._put(_END)
 
@@ -191,22 +192,14 @@ class Prefetcher:
         except Exception as exc:
             self._ahead.append(_Failed(exc))
 
+    def _next_in_loop(self) -> Any:
+        return self._ahead.popleft() if self._ahead else next(self._sync, _END)  # type: ignore[arg-type]
+
     def __iter__(self) -> Iterator[Any]:
-        if self._sync is not None:
-            ahead, items = self._ahead, self._sync
-            while True:
-                item = ahead.popleft() if ahead else next(items, _END)
-                if item is _END:
-                    return
-                if isinstance(item, _Failed):
-                    raise item.error
-                yield item
-        while True:
-            item = self._get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
+        take = self._get if self._sync is None else self._next_in_loop
+        while (item := take()) is not _END:
+            if isinstance(item, _Failed):
+                raise item.error
             yield item
 
     def close(self) -> None:

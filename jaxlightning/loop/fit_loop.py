@@ -64,7 +64,7 @@ class FitLoop:
         self.num_sanity_val_steps = num_sanity_val_steps
         self.points = points
         self._epoch_runs_out = False  # this epoch ends at its loader's end (not max_steps)
-        self._load_ahead: Any = None  # the epoch's `Batches.load_ahead`
+        self._load_ahead: Any = lambda: None  # the epoch's `Batches.load_ahead`
         self.validate_at_epoch_end = False
         self.val_check = ValCheck(schedule, stop, progress)
 
