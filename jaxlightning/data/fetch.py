@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 
 def fetchable(loader: DataLoader) -> bool:
@@ -45,6 +45,28 @@ class Fetch(NamedTuple):
         return cls(loader.dataset, loader.collate_fn, loader.generator)
 
 
+def _dense(value: Any) -> bool:
+    """A plain dense tensor (default_collate refuses sparse and nested ones)."""
+    return type(value) is torch.Tensor and value.layout is torch.strided and not value.is_nested
+
+
+def stacked(samples: list[Any]) -> Any:
+    """``default_collate(samples)`` for samples that are tuples of tensors, by
+    one ``torch.stack`` per field: what default_collate ends in, without its
+    dispatch and per-sample checks (2 cores: ~8 us of ~64 for 128 samples of
+    two tensors; for dicts the same shortcut measured no faster). Anything
+    else, and any mismatch between the samples, goes to default_collate
+    itself, so its results and its errors stay its own."""
+    first = samples[0] if samples else None
+    try:
+        if type(first) is tuple and all(map(_dense, first)):
+            # default_collate gives a tuple's fields as a list
+            return [torch.stack(field) for field in zip(*samples, strict=True)]
+    except (TypeError, ValueError, RuntimeError):
+        pass  # a sample unlike the first: default_collate says what is wrong
+    return default_collate(samples)
+
+
 class FetchedEpoch:
     """An epoch's batches of a `fetchable` DataLoader's dataset, one per array
     of row indices of ``batches`` (`sampling.EpochBatches`).
@@ -59,6 +81,8 @@ class FetchedEpoch:
 
     def __init__(self, fetch: Fetch, batches: Iterable[np.ndarray]) -> None:
         self.dataset, self.collate, self.generator = fetch
+        if self.collate is default_collate:
+            self.collate = stacked
         self.batches = batches
         # the loader's (the batches are padded to it: a resumed epoch may start short)
         self.batch_size: int | None = getattr(batches, "batch_size", None)
