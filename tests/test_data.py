@@ -278,6 +278,28 @@ def test_per_example_batches_fetched_by_the_trainer_equal_the_dataloaders(
         assert asked == ds.asked[len(asked) :] and all(type(i) is int for i in asked[0])
 
 
+def test_the_default_collation_shortcut_leaves_unlike_samples_to_default_collate():
+    """The Trainer stacks tuples of tensors itself (`fetch.stacked`); samples
+    unlike the first (another length, a field that is no tensor, a sparse
+    tensor) get default_collate's own error."""
+    from torch.utils.data import default_collate
+
+    from jaxlightning.data.fetch import stacked
+
+    a, b = torch.arange(3.0), torch.tensor(1)
+    same = stacked([(a, b), (a + 1, b)])
+    assert type(same) is list and torch.equal(same[0], torch.stack([a, a + 1]))
+
+    def error(collate, samples):
+        with pytest.raises(Exception) as info:
+            collate(samples)
+        return type(info.value), str(info.value)
+
+    sparse = a.to_sparse()
+    for unlike in ([(a, b), (a,)], [(a, b), (a, 1)], [(sparse, b), (sparse, b)]):
+        assert error(stacked, unlike) == error(default_collate, unlike)
+
+
 @pytest.mark.parametrize("per_example", [False, True], ids=["tensors", "per-example"])
 def test_an_epoch_resumed_at_its_short_last_batch_keeps_the_loaders_batch_size(per_example):
     """The batches are padded to the loader's batch size, not to the first
@@ -488,14 +510,29 @@ class _Recorded(_DigitRows):
         return super().__getitem__(i)
 
 
-def test_a_report_loads_the_next_batch_before_it_waits_for_the_steps_in_flight():
+@pytest.mark.parametrize(
+    "device_busy, in_flight, ends",
+    [
+        (False, None, [15, 47, 47, 79, 79, 95]),  # after a report, the next batch only
+        (True, None, [15, 95, 95, 95, 95, 95]),  # the rest (6 batches: under the bound)
+        (True, 2, [15, 63, 63, 95, 95, 95]),  # two batches, the bound
+    ],
+    ids=["device-done", "device-busy", "device-busy-bound-2"],
+)
+def test_a_report_loads_batches_ahead_while_the_steps_it_waits_for_run(
+    monkeypatch, device_busy, in_flight, ends
+):
     """With loading in the loop's thread, a report (which waits for the steps in
-    flight to read their metrics) first loads the next batch, so that it loads
-    while they run; other steps load theirs when they come. An error loading a
-    batch ahead is raised at that batch, after the report's batch hooks."""
+    flight to read their metrics) first loads the next batch, and more while
+    the device still runs them (up to the in-flight bound), so that they load
+    during the wait; other steps load theirs when they come. An error loading
+    a batch ahead is raised at that batch, after the report's batch hooks."""
     import jaxlightning as jl
+    from jaxlightning.loop.held_state import HeldState
     from tests.helpers import LitMLP, digits, init_mlp, quiet_trainer
 
+    # the device's state at the report, fixed: the steps are done, or still run
+    monkeypatch.setattr(HeldState, "busy", lambda self: device_busy)
     x, y = digits(96)
     events: list[tuple[str, int, int]] = []
 
@@ -508,14 +545,56 @@ def test_a_report_loads_the_next_batch_before_it_waits_for_the_steps_in_flight()
                 events.append(("end", batch_idx, max(ds.loaded)))
 
         # reports after steps 2, 4 and 6 (batches 1, 3, 5) of 16-row batches
-        trainer = quiet_trainer(max_epochs=1, devices=1, log_every_n_steps=2, callbacks=[Watch()])
+        trainer = quiet_trainer(
+            max_epochs=1,
+            devices=1,
+            log_every_n_steps=2,
+            callbacks=[Watch()],
+            strategy=jl.ShardMapStrategy(max_in_flight=in_flight),
+        )
         trainer.fit(LitMLP(init_variables=init_mlp()), DataLoader(ds, batch_size=16))
 
     fit(_Recorded(x, y))
-    ends = [last for what, _, last in events if what == "end"]
-    assert ends == [15, 47, 47, 79, 79, 95]  # after a report, the next batch's rows too
+    assert [last for what, _, last in events if what == "end"] == ends
     events.clear()
     with pytest.raises(ValueError, match="row 40 is unreadable"):
         fit(_Recorded(x, y, bad=40))  # in batch 2, loaded ahead at batch 1's report
     hooks = [(what, i) for what, i, _ in events]
     assert hooks == [("start", 0), ("end", 0), ("start", 1), ("end", 1)]
+
+
+def test_loading_ahead_stops_when_told_at_the_end_or_at_an_error():
+    """`Prefetcher.load_ahead` (``depth=0``) loads one item, then more while
+    ``more(number waiting)``; never past the end or an error, which is raised
+    where its item would have been."""
+    from jaxlightning.data.prefetch import Prefetcher
+
+    loaded: list[int] = []
+
+    def prepare(i: int) -> int:
+        if i == 6:
+            raise ValueError("item 6 is bad")
+        loaded.append(i)
+        return i
+
+    asked: list[int] = []
+
+    def more(waiting: int) -> bool:
+        asked.append(waiting)
+        return waiting < 3
+
+    items = Prefetcher(range(10), prepare, depth=0)
+    items.load_ahead(more)
+    assert loaded == [0, 1, 2] and asked == [1, 2, 3]  # one, then while `more`
+    items.load_ahead(more)
+    assert loaded == [0, 1, 2] and asked[3:] == [3]  # three wait already
+    it = iter(items)
+    assert [next(it), next(it), next(it)] == [0, 1, 2] and loaded == [0, 1, 2]
+    items.load_ahead(lambda waiting: True)
+    assert loaded == [0, 1, 2, 3, 4, 5]  # until the error, kept as item 6
+    assert [next(it) for _ in range(3)] == [3, 4, 5]
+    with pytest.raises(ValueError, match="item 6 is bad"):
+        next(it)  # the error loaded ahead, where item 6 would have been
+    short = Prefetcher(range(2), lambda i: i, depth=0)
+    short.load_ahead(lambda waiting: True)
+    assert list(short) == [0, 1]  # the end stops loading ahead

@@ -102,6 +102,11 @@ class _Failed(NamedTuple):
     error: BaseException
 
 
+def _last(item: Any) -> bool:
+    """Whether nothing is prepared after ``item``: the end, or an error."""
+    return item is _END or isinstance(item, _Failed)
+
+
 class Prefetcher:
     """Iterates ``loader`` on a background thread, ``depth`` batches ahead.
 
@@ -127,7 +132,7 @@ class Prefetcher:
         self._stop = threading.Event()
         if depth == 0:  # no thread: prepare each item when it is asked for
             self._sync: Iterator[Any] | None = (prepare(item) for item in loader)
-            self._ahead: collections.deque[Any] = collections.deque(maxlen=1)
+            self._ahead: collections.deque[Any] = collections.deque()
             return
         self._sync = None
         items, first = start_on_caller(loader)
@@ -179,18 +184,23 @@ class Prefetcher:
             return
         self._put(_END)
 
-    def load_ahead(self) -> None:
-        """Prepares the next item now, in this thread (``depth=0``; a thread is
-        ahead already). The loop asks before it waits for the device (a report
-        fetches the metrics of the steps in flight), so that the next batch
-        loads while they run instead of after, with the device idle. An error
-        preparing it is raised where the item would have been."""
-        if self._sync is None or self._ahead:
+    def load_ahead(self, more: Callable[[int], bool] = lambda waiting: False) -> None:
+        """Prepares items now, in this thread (``depth=0``; a thread is ahead
+        already): one, then more while ``more(number waiting)``. The loop asks
+        before it waits for the device (a report fetches the metrics of the
+        steps in flight), ``more`` saying whether the device still runs them:
+        the batches load while they run instead of after, with the device
+        idle, and after the report the loop dispatches them back to back, the
+        device's queue refilled at once. An error preparing one is raised
+        where that item would have been."""
+        if self._sync is None:
             return
-        try:
-            self._ahead.append(next(self._sync, _END))
-        except Exception as exc:
-            self._ahead.append(_Failed(exc))
+        ahead = self._ahead
+        while not ahead or (not _last(ahead[-1]) and more(len(ahead))):
+            try:
+                ahead.append(next(self._sync, _END))
+            except Exception as exc:
+                ahead.append(_Failed(exc))
 
     def _next_in_loop(self) -> Any:
         return self._ahead.popleft() if self._ahead else next(self._sync, _END)  # type: ignore[arg-type]
@@ -240,9 +250,9 @@ class Batches:
             yield self.first
             yield from self._rest
 
-    def load_ahead(self) -> None:
+    def load_ahead(self, more: Callable[[int], bool] = lambda waiting: False) -> None:
         """See `Prefetcher.load_ahead`."""
-        self._prefetcher.load_ahead()
+        self._prefetcher.load_ahead(more)
 
     def close(self) -> None:
         self._prefetcher.close()

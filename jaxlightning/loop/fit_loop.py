@@ -64,7 +64,7 @@ class FitLoop:
         self.num_sanity_val_steps = num_sanity_val_steps
         self.points = points
         self._epoch_runs_out = False  # this epoch ends at its loader's end (not max_steps)
-        self._load_ahead: Any = lambda: None  # the epoch's `Batches.load_ahead`
+        self._load_ahead: Any = lambda more: None  # the epoch's `Batches.load_ahead`
         self.validate_at_epoch_end = False
         self.val_check = ValCheck(schedule, stop, progress)
 
@@ -293,7 +293,7 @@ class FitLoop:
 
     def _report_train(self) -> None:
         """Reports the values of this logging interval and starts the next one."""
-        self._load_ahead()
+        self._load_ahead(self.program.held.load_more)  # while the steps waited for run
         acc = self.program.held.fetch_metrics()
         if self.points.rolled_back(acc):
             return  # the interval's values went with its state

@@ -133,6 +133,16 @@ class HeldState:
         if len(self._in_flight) > self.strategy.max_in_flight:
             jax.block_until_ready(self._in_flight.popleft())
 
+    def busy(self) -> bool:
+        """Whether the newest step in flight is still running."""
+        return bool(self._in_flight) and not self._in_flight[-1].is_ready()
+
+    def load_more(self, waiting: int) -> bool:
+        """Whether to load another batch ahead, ``waiting`` loaded already,
+        before a wait for the steps in flight: while they run, up to the
+        in-flight bound (the lead the loop had over the device)."""
+        return waiting < self.strategy.max_in_flight and self.busy()
+
     def drain(self) -> None:
         """Waits for every step in flight."""
         while self._in_flight:
