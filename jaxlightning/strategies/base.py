@@ -80,17 +80,21 @@ class Strategy(abc.ABC):
             self.max_in_flight = self.default_max_in_flight()
 
     def default_max_in_flight(self) -> int:
-        """Steps in flight unless the user says: 8 on one CPU device, else 2.
+        """Steps in flight unless the user says: 32 on one CPU device, else 2.
 
         Several CPU devices run collectives, and a few hundred of them queued
         hang in XLA's CPU runtime: 2. One CPU device runs none, and there the
-        loop's host work shares the cores with the step's XLA threads: a deeper
-        queue lets the loop run ahead instead of waking for every step. Arm 1's
-        per-example loader, 2 cores, interleaved runs of 10-12 rounds: 8 in
-        flight was 0.3-7% faster than 2 in each of three. On accelerators 2, 4
-        and 8 measured the same (H200): 2, which holds the fewest batches.
+        loop's host work shares the cores with the step's XLA threads: a deep
+        queue lets the loop run ahead instead of waking for every step. 32 is
+        XLA's CPU client's own bound (a dispatch past 32 computations in flight
+        waits inside XLA), so the Trainer's wait then finds the oldest step
+        done. Arm 1's per-example loader, 2 cores, interleaved in one process:
+        8 in flight was 0.3-7% faster than 2 (three runs of 10-12 rounds), and
+        the bound left to XLA 5-10% faster than 8 (two runs of 9 and 15
+        rounds). On accelerators 2, 4 and 8 measured the same (H200): 2, which
+        holds the fewest batches.
         """
-        return 8 if self.on_cpu and self.num_devices == 1 else 2
+        return 32 if self.on_cpu and self.num_devices == 1 else 2
 
     @property
     def prefetch_depth(self) -> int:
