@@ -19,6 +19,17 @@ def test_tensors_become_numpy_without_copy():
     assert np.shares_memory(out["x"], t.numpy())
 
 
+def test_tensors_that_need_grad_or_other_dtypes_become_their_values():
+    """A tensor that requires grad, an integer one, a boolean one, a parameter
+    (a tensor subclass): each becomes the numpy array of its values."""
+    w = torch.arange(6.0).reshape(3, 2).requires_grad_()
+    batch = (w, torch.arange(3), torch.tensor([True, False, True]), torch.nn.Parameter(w.detach()))
+    out = to_numpy(batch)
+    assert [a.dtype for a in out] == [np.float32, np.int64, np.bool_, np.float32]
+    for a, t in zip(out, batch, strict=True):
+        np.testing.assert_array_equal(a, t.detach().numpy())
+
+
 def test_nested_tuples_lists_dicts_keep_their_structure():
     batch = {"img": (torch.zeros(4, 2), [np.ones((4, 1)), {"deep": torch.ones(4)}])}
     out = to_numpy(batch)

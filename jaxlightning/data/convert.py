@@ -26,11 +26,32 @@ class BatchError(ValueError):
     """A batch that cannot be turned into device arrays."""
 
 
+# torch dtypes numpy has (bfloat16 is reinterpreted below)
+_NUMPY_TENSOR = frozenset(
+    {
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    }
+)
+
+
 def _is_none(x: Any) -> bool:
     return x is None
 
 
 def _leaf_to_numpy(x: Any) -> Any:
+    if type(x) is torch.Tensor and x.is_cpu and x.dtype in _NUMPY_TENSOR:
+        # the common case first: a CPU tensor numpy shares memory with as it is
+        return x.detach().numpy() if x.requires_grad else x.numpy()
     if x is None:  # kept as a leaf so that the error names where it is
         return None
     if isinstance(x, torch.Tensor):
@@ -60,25 +81,33 @@ def to_numpy(batch: Any) -> Any:
             object arrays, for arrays without a batch dimension, and for entries
             whose leading dimensions disagree.
     """
+    return numpy_rows(batch)[0]
+
+
+def numpy_rows(batch: Any) -> tuple[Any, int]:
+    """`to_numpy`'s result and its number of rows (one flatten for both)."""
     # None is an empty pytree to JAX; here it is a leaf, refused by name below.
     leaves, treedef = jax.tree_util.tree_flatten(batch, is_leaf=_is_none)
     converted = [_leaf_to_numpy(x) for x in leaves]
-    if not converted or not _well_formed(converted):
+    rows = _well_formed(converted)
+    if rows is None:
         _raise_batch_error(jax.tree_util.tree_unflatten(treedef, converted))
-    return jax.tree_util.tree_unflatten(treedef, converted)
+    return jax.tree_util.tree_unflatten(treedef, converted), rows
 
 
-def _well_formed(leaves: list[Any]) -> bool:
-    """The per-batch check, without building paths (the error path builds them)."""
+def _well_formed(leaves: list[Any]) -> int | None:
+    """The per-batch check, without building paths (the error path builds
+    them): the rows the leaves share, ``None`` if any is not a numeric array
+    with them."""
     rows = None
     for leaf in leaves:
         if not isinstance(leaf, np.ndarray) or _not_numeric(leaf.dtype) or leaf.ndim == 0:
-            return False
+            return None
         if rows is None:
             rows = leaf.shape[0]
         elif leaf.shape[0] != rows:
-            return False
-    return True
+            return None
+    return rows
 
 
 def _raise_batch_error(converted: Any) -> None:
@@ -114,10 +143,6 @@ def _raise_batch_error(converted: Any) -> None:
                 "dimension"
             )
     raise AssertionError("unreachable: _well_formed rejected a well-formed batch")
-
-
-def batch_rows(batch: Any) -> int:
-    return jax.tree.leaves(batch)[0].shape[0]
 
 
 class Rows(NamedTuple):
@@ -184,8 +209,7 @@ class Padder:
         return math.ceil(rows / self.multiple) * self.multiple
 
     def __call__(self, batch: Any) -> HostBatch:
-        batch = to_numpy(batch)
-        rows = batch_rows(batch)
+        batch, rows = numpy_rows(batch)
         if rows == 0:
             raise BatchError("a batch has 0 rows; DataLoader batches must not be empty")
         if self.size is None:
