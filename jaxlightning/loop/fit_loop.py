@@ -293,7 +293,7 @@ class FitLoop:
 
     def _report_train(self) -> None:
         """Reports the values of this logging interval and starts the next one."""
-        self._load_ahead(self.program.held.load_more)  # while the steps waited for run
+        self._load_ahead(self.program.held.load_more)  # while the steps it waits for run
         acc = self.program.held.fetch_metrics()
         if self.points.rolled_back(acc):
             return  # the interval's values went with its state

@@ -135,7 +135,8 @@ class HeldState:
 
     def busy(self) -> bool:
         """Whether the newest step in flight is still running."""
-        return bool(self._in_flight) and not self._in_flight[-1].is_ready()
+        newest = jax.tree.leaves(self._in_flight[-1]) if self._in_flight else ()
+        return not all(leaf.is_ready() for leaf in newest)
 
     def load_more(self, waiting: int) -> bool:
         """Whether to load another batch ahead, ``waiting`` loaded already,

@@ -89,10 +89,11 @@ class Strategy(abc.ABC):
         XLA's CPU client's own bound (a dispatch past 32 computations in flight
         waits inside XLA), so the Trainer's wait then finds the oldest step
         done. Arm 1's per-example loader, 2 cores, interleaved in one process:
-        8 in flight was 0.3-7% faster than 2 (three runs of 10-12 rounds), and
-        the bound left to XLA 5-10% faster than 8 (two runs of 9 and 15
-        rounds). On accelerators 2, 4 and 8 measured the same (H200): 2, which
-        holds the fewest batches.
+        8 in flight was 0.3-7% faster than 2 (three runs of 10-12 rounds); no
+        bound of the Trainer's 4-8% faster than 8 (two runs of 9 and 15
+        rounds), 32 6% faster in one run of 15 rounds and the same in another
+        (docs/performance.md). On accelerators 2, 4 and 8 measured the same
+        (H200): 2, which holds the fewest batches.
         """
         return 32 if self.on_cpu and self.num_devices == 1 else 2
 
