@@ -10,10 +10,21 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import jaxlightning as jl
+from jaxlightning.data.resident import ResidentBatch
 from tests.helpers import LitMLP, digits, init_mlp, loader, quiet_trainer
 
 X, Y = digits(203)  # 203 rows: batches of 16 leave an uneven last batch of 11
 XV, YV = digits(61, offset=400)
+
+
+class Reports(jl.Callback):
+    """The metrics after each train batch (the reports' values as they come)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, module, batch_idx):
+        self.seen.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
 def _fit(data_on_device, train, val=None, ckpt_path=None, callbacks=None, **kwargs):
@@ -50,15 +61,42 @@ def test_resident_training_is_bitwise_the_host_path(shuffle, drop_last, kwargs):
         )
         return train, loader(XV, YV, 16)
 
-    host = _fit(False, *loaders(), **kwargs)
-    device = _fit(True, *loaders(), **kwargs)
+    host_reports, device_reports = Reports(), Reports()
+    kwargs.setdefault("log_every_n_steps", 2)
+    host = _fit(False, *loaders(), callbacks=[host_reports], **kwargs)
+    device = _fit(True, *loaders(), callbacks=[device_reports], **kwargs)
     assert host.data_path == "host" and device.data_path == "device"
     assert host.global_step == device.global_step > 0
     assert _same_params(host, device)
-    # the validation (on the device too) and training metrics agree exactly
+    # the validation (on the device too) and training metrics agree exactly,
+    # at every report (each step's rows gathered in its own dispatch)
     assert host.callback_metrics.keys() == device.callback_metrics.keys()
     for name, value in host.callback_metrics.items():
         assert float(value) == float(device.callback_metrics[name]), name
+    assert host_reports.seen == device_reports.seen
+    assert len({str(r) for r in host_reports.seen}) > 4  # reports changed the values
+
+
+def test_a_resident_batch_is_gathered_in_its_train_steps_dispatch(compiles, monkeypatch):
+    gathered = []
+    plain_gather = ResidentBatch._gathered
+
+    def counted(batch):
+        if batch._placed is None:  # gathered now (not asked for again)
+            gathered.append(batch)
+        return plain_gather(batch)
+
+    monkeypatch.setattr(ResidentBatch, "_gathered", counted)
+    trainer = _fit(True, loader(X, Y, 16, shuffle=True), max_epochs=2)
+    assert trainer.data_path == "device" and trainer.global_step == 26
+    # one program a step, compiled once: the train step with its rows' gather
+    assert compiles.matching("jl_train_step_gathered") == 1, compiles.counts
+    assert compiles.matching("jl_train_step") == 1, compiles.counts
+    # no batch gathered in a dispatch of its own
+    assert gathered == []
+    # a batch's data asked for apart (an evaluation's, a callback's) still is
+    trainer.validate(trainer.lightning_module, loader(XV, YV, 16))
+    assert len(gathered) == 4  # its 4 batches (61 rows, 16 a batch)
 
 
 def test_resident_mid_epoch_resume_is_bitwise_an_uninterrupted_host_run(tmp_path):

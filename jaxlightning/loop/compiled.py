@@ -20,7 +20,7 @@ import optax
 
 from jaxlightning.data import DeviceBatch
 from jaxlightning.data.convert import Rows
-from jaxlightning.loop.multistep import host_steps, resident_steps
+from jaxlightning.loop.multistep import host_steps, resident_step, resident_steps
 from jaxlightning.module import JaxModule
 from jaxlightning.strategies import FSDPStrategy, ShardMapStrategy, Strategy
 from jaxlightning.training import contract
@@ -199,6 +199,14 @@ class CompiledSteps:
             else:  # a ShardMapStrategy's (checks.steps_per_execution)
                 self._groups[kind] = host_steps(step, self.strategy.batch_sharding)  # type: ignore[attr-defined]
         return self._groups[kind]
+
+    def resident_step(self) -> Any:
+        """The train step on one batch of a resident dataset, gathering its rows
+        in the same dispatch (`multistep.resident_step`)."""
+        if "resident_step" not in self._groups:
+            replicated, sharded = self.strategy.batch_placement  # type: ignore[misc]
+            self._groups["resident_step"] = resident_step(self._groups["step"], replicated, sharded)
+        return self._groups["resident_step"]
 
     def statistics_step(self, module: JaxModule) -> Any:
         """One batch's BatchNorm statistics under given parameters, summed."""

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from jaxlightning.data import DeviceBatch
+from jaxlightning.data.resident import ResidentBatch
 from jaxlightning.io.checkpoint import restore, restore_variables
 from jaxlightning.loop.compiled import CompiledSteps, zeros_like_local
 from jaxlightning.loop.held_state import HeldState
@@ -74,6 +75,9 @@ class Program:
         self.train_options: Options = {}
         self.fit_module: JaxModule | None = None  # whose variables the state holds
         self._train_step: Any = None
+        self._resident_step: Any = None
+        self._plain_args: Callable[[], tuple[Any, ...]] = tuple
+        self._plain_cost: StepCost | None = None
         self._flush: Any = None
 
     def start(
@@ -88,11 +92,20 @@ class Program:
         shapes, pending_state = self.steps.init_state(module, tx, example)
         threads.callback(join_quietly, pending_state)
         acc0, self.train_options = self.steps.zero_train_metrics(module, shapes, example, tx)
-        train_step = self.steps.train_step(module, tx)
-        train_step = self.strategy.precompile(train_step, shapes, acc0, example.data, example.mask)
-        if isinstance(train_step, Precompiled):
-            threads.callback(train_step.join)
-        self._train_step = train_step
+        # The step that will run compiles ahead: for a resident dataset's batches
+        # the one that gathers them (the plain step compiles if its cost is asked).
+        self._train_step = self.steps.train_step(module, tx)
+        self._resident_step, self._plain_cost = None, None
+        self._plain_args = lambda: (shapes, acc0, example.data, example.mask)
+        if isinstance(example, ResidentBatch):
+            self._resident_step = self.strategy.precompile(
+                self.steps.resident_step(), shapes, acc0, *_gathering(example)
+            )
+        else:
+            self._train_step = self.strategy.precompile(self._train_step, *self._plain_args())
+        for step in (self._train_step, self._resident_step):
+            if isinstance(step, Precompiled):
+                threads.callback(step.join)
         self._flush = None
         if self.options.accumulate_grad_batches > 1:
             self._flush = self.steps.flush(tx)
@@ -132,8 +145,9 @@ class Program:
     def ready(self) -> None:
         """Waits for the train step's ahead-of-time compile (errors surface at
         the first step)."""
-        if isinstance(self._train_step, Precompiled):
-            self._train_step.join()
+        for step in (self._train_step, self._resident_step):
+            if isinstance(step, Precompiled):
+                step.join()
 
     def train_cost(self) -> StepCost | None:
         """XLA's count of one train step on one device (waits for its compile);
@@ -142,12 +156,20 @@ class Program:
         if isinstance(step, Precompiled):
             compiled = step.compiled()
             return None if compiled is None else step_cost(compiled)
-        return None
+        if self._resident_step is not None and self._plain_cost is None:
+            # the plain step, which this fit does not run: compiled once, if asked
+            self._plain_cost = step_cost(step.trace(*self._plain_args()).lower().compile())
+        return self._plain_cost
 
     # ------------------------------------------------------------- training
     def train(self, batch: DeviceBatch) -> None:
-        """Dispatches one train step (waits for an older one past the bound)."""
-        self.held.advance(self._train_step, batch.data, batch.mask)
+        """Dispatches one train step (waits for an older one past the bound);
+        a resident dataset's batch is gathered in the same dispatch."""
+        if isinstance(batch, ResidentBatch):
+            step = self._resident_step or self.steps.resident_step()
+            self.held.advance(step, *_gathering(batch))
+        else:
+            self.held.advance(self._train_step, batch.data, batch.mask)
 
     def train_group(self, batches: list[Any]) -> None:
         """Dispatches the train steps of ``batches`` as one program (`multistep`):
@@ -225,6 +247,11 @@ class Program:
         """``module``'s variables were replaced: they no longer are the fit's state."""
         if self.fit_module is module:
             self.fit_module = None
+
+
+def _gathering(batch: ResidentBatch) -> tuple[Any, ...]:
+    """A resident batch's arguments to the step that gathers it."""
+    return batch.dataset.data, batch.indices, batch.rows
 
 
 def _mixed(batches: list[Any]) -> bool:
