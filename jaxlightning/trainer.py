@@ -186,7 +186,8 @@ class Trainer:
         """XLA's count of one compiled train step on one device: FLOPs and bytes
         (inputs, temporaries, outputs, peak), known before the step first runs
         (waits for its compile); ``None`` before `fit` or where the strategy
-        compiles at the first call (``pmap``, several processes)."""
+        compiles at the first call (``pmap``, several processes). A step that
+        gathers its rows from data on the devices counts the dataset's copy."""
         return self._program.train_cost()
 
     def eval_step_cost(self) -> StepCost | None:

@@ -27,7 +27,9 @@ def _on_first_device(tree) -> int:
 def test_the_budget_adds_up_to_xlas_report_and_the_state_arrays(strategy):
     x, y = digits(512)
     train = loader(x, y, 256)
-    trainer = quiet_trainer(max_steps=1, strategy=strategy)
+    # the host path: its step takes the batch as the Tuner's does (a resident
+    # dataset's step gathers it: the test below)
+    trainer = quiet_trainer(max_steps=1, strategy=strategy, data_on_device=False)
     found = jl.Tuner(trainer).memory_budget(LitMLP(hidden=64), train)
     trainer.fit(LitMLP(hidden=64), train)
 
@@ -50,6 +52,26 @@ def test_the_budget_adds_up_to_xlas_report_and_the_state_arrays(strategy):
     assert found.peak == pytest.approx(cost.peak_bytes, rel=0.01)
     assert found.limit is None and found.fits  # the CPU reports no memory: nothing checked
     assert "peak" in found.table() and "parameters" in found.table()
+
+
+def test_a_resident_fits_step_counts_the_dataset_it_gathers_from():
+    x, y = digits(512)
+    costs = {}
+    for on_device in (False, True):
+        trainer = quiet_trainer(max_steps=1, devices=2, data_on_device=on_device)
+        trainer.fit(LitMLP(hidden=64), loader(x, y, 256))
+        assert trainer.data_path == ("device" if on_device else "host")
+        costs[on_device] = trainer.train_step_cost()
+    # The same state and accumulators; in place of one device's batch shard
+    # (128 rows of 64 float32 features and an int32 label), the whole dataset
+    # on each device and the shard's int32 row indices; and the rows' int32
+    # epochs, which the host path's program drops as unused (this module never
+    # reads current_epoch) and the gather's optimization barrier keeps.
+    shard = 128 * (64 * 4 + 4)
+    dataset = 512 * (64 * 4 + 4)
+    added = costs[True].argument_bytes - costs[False].argument_bytes
+    assert added == dataset + 128 * 4 - shard + 128 * 4
+    assert costs[True].flops == pytest.approx(costs[False].flops, rel=0.01)
 
 
 class Steps(jl.Callback):

@@ -76,8 +76,6 @@ class Program:
         self.fit_module: JaxModule | None = None  # whose variables the state holds
         self._train_step: Any = None
         self._resident_step: Any = None
-        self._plain_args: Callable[[], tuple[Any, ...]] = tuple
-        self._plain_cost: StepCost | None = None
         self._flush: Any = None
 
     def start(
@@ -93,16 +91,19 @@ class Program:
         threads.callback(join_quietly, pending_state)
         acc0, self.train_options = self.steps.zero_train_metrics(module, shapes, example, tx)
         # The step that will run compiles ahead: for a resident dataset's batches
-        # the one that gathers them (the plain step compiles if its cost is asked).
+        # the one that gathers them; the plain step too where the memory check
+        # reads it (a device whose memory is known: an accelerator).
         self._train_step = self.steps.train_step(module, tx)
-        self._resident_step, self._plain_cost = None, None
-        self._plain_args = lambda: (shapes, acc0, example.data, example.mask)
-        if isinstance(example, ResidentBatch):
+        self._resident_step = None
+        resident = isinstance(example, ResidentBatch)
+        if resident:
             self._resident_step = self.strategy.precompile(
                 self.steps.resident_step(), shapes, acc0, *_gathering(example)
             )
-        else:
-            self._train_step = self.strategy.precompile(self._train_step, *self._plain_args())
+        if not resident or self._memory_limit() is not None:
+            self._train_step = self.strategy.precompile(
+                self._train_step, shapes, acc0, example.data, example.mask
+            )
         for step in (self._train_step, self._resident_step):
             if isinstance(step, Precompiled):
                 threads.callback(step.join)
@@ -124,9 +125,11 @@ class Program:
         self, module: JaxModule, tx: optax.GradientTransformation, example: DeviceBatch, state: Any
     ) -> None:
         """Stops the fit, before any step, when the train step needs more memory
-        than a device holds (only where that is known: nothing waits otherwise)."""
-        limit = memory.device_limit(self.strategy.devices, self.device_memory)
-        cost = None if limit is None else self.train_cost()
+        than a device holds (only where that is known: nothing waits otherwise).
+        The step is counted as the Tuner counts it, on a batch handed to it
+        (a resident dataset's copy is not counted)."""
+        limit = self._memory_limit()
+        cost = None if limit is None else _cost_of(self._train_step)
         if cost is None:
             return
         found = self.steps.memory_budget(module, tx, example, cost, state, limit)
@@ -150,16 +153,16 @@ class Program:
                 step.join()
 
     def train_cost(self) -> StepCost | None:
-        """XLA's count of one train step on one device (waits for its compile);
-        ``None`` before a fit or where the strategy compiles at the first call."""
-        step = self._train_step
-        if isinstance(step, Precompiled):
-            compiled = step.compiled()
-            return None if compiled is None else step_cost(compiled)
-        if self._resident_step is not None and self._plain_cost is None:
-            # the plain step, which this fit does not run: compiled once, if asked
-            self._plain_cost = step_cost(step.trace(*self._plain_args()).lower().compile())
-        return self._plain_cost
+        """XLA's count of the program a train step runs, on one device (waits
+        for its compile): with the data on the devices, the one that gathers
+        the step's rows, whose inputs include the dataset's copy. ``None``
+        before a fit or where the strategy compiles at the first call."""
+        if self._resident_step is not None:
+            return _cost_of(self._resident_step)
+        return _cost_of(self._train_step)
+
+    def _memory_limit(self) -> int | None:
+        return memory.device_limit(self.strategy.devices, self.device_memory)
 
     # ------------------------------------------------------------- training
     def train(self, batch: DeviceBatch) -> None:
@@ -247,6 +250,14 @@ class Program:
         """``module``'s variables were replaced: they no longer are the fit's state."""
         if self.fit_module is module:
             self.fit_module = None
+
+
+def _cost_of(step: Any) -> StepCost | None:
+    """XLA's count of an ahead-of-time compiled ``step`` (`None` otherwise)."""
+    if isinstance(step, Precompiled):
+        compiled = step.compiled()
+        return None if compiled is None else step_cost(compiled)
+    return None
 
 
 def _gathering(batch: ResidentBatch) -> tuple[Any, ...]:
