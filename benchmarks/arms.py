@@ -566,4 +566,6 @@ def data_path(size: dict[str, int], rounds: int) -> dict[str, Any]:
     if "lightning" in epoch:
         out["resident_vs_lightning"] = ratio("lightning", "resident")
         out["spe8_vs_lightning"] = ratio("lightning", "resident_spe8")
+        # the ceiling of one step per dispatch: the physical reference's ratio
+        out["bare_resident_vs_lightning"] = ratio("lightning", "bare_resident")
     return out
