@@ -280,11 +280,17 @@ class ThroughputMonitor(Callback):
         if event == "/jax/core/compile/backend_compile_duration":
             self._compile += duration
 
-    def on_fit_start(self, trainer: TrainerView, module: JaxModule) -> None:
+    def setup(self, trainer: TrainerView, module: JaxModule, stage: str) -> None:
+        # Here, not at fit start: the fit's programs start compiling on worker
+        # threads before on_fit_start (the train step may be done by then).
+        if stage != "fit":
+            return
         if not self._listening:
             jax.monitoring.register_event_duration_secs_listener(self._on_event)
             self._listening = True
         self._compile, self._reported_compile = 0.0, False
+
+    def on_fit_start(self, trainer: TrainerView, module: JaxModule) -> None:
         self._mark = None
         self._step_flops = None
 
