@@ -653,11 +653,14 @@ _UNREADABLE_ARRAY = re.compile(r'Error reading "([^"/]+)/')
 
 def _read_error(path: str, exc: Exception) -> CheckpointError:
     """What failed to restore: bytes that no longer decode (a flipped block in a
-    compressed chunk, caught by the compressor's own check) are corruption,
-    named like a checksum mismatch; anything else is reported as it is."""
+    compressed chunk, caught by the decompressor: its checksum, or a frame size
+    it cannot hold) are corruption, named like a checksum mismatch; anything
+    else is reported as it is."""
     message = str(exc)
     found = _UNREADABLE_ARRAY.search(message)
-    damaged = any(w in message for w in ("corrupt", "DATA_LOSS", "checksum verification failed"))
+    damaged = any(
+        w in message for w in ("corrupt", "DATA_LOSS", "checksum verification failed", "decompress")
+    )
     if damaged and found:
         key = found.group(1).replace(".", "/")
         return CheckpointError(
