@@ -449,7 +449,7 @@ def _saved_tree(path: str) -> Any:
     try:
         metadata = _checkpointer().metadata(path).item_metadata["state"]
     except Exception as exc:
-        raise CheckpointError(f"could not read checkpoint {path}: {exc}") from exc
+        raise _read_error(path, exc) from exc
     tree = getattr(metadata, "tree", None)
     if tree is None:
         raise CheckpointError(f"could not read checkpoint {path}: its 'state' has no metadata")
@@ -654,13 +654,19 @@ _UNREADABLE_ARRAY = re.compile(r'Error reading "([^"/]+)/')
 def _read_error(path: str, exc: Exception) -> CheckpointError:
     """What failed to restore: bytes that no longer decode (a flipped block in a
     compressed chunk, caught by the decompressor: its checksum, or a frame size
-    it cannot hold) are corruption, named like a checksum mismatch; anything
-    else is reported as it is."""
+    it cannot hold; or in the index that finds the arrays) are corruption, named
+    like a checksum mismatch; anything else is reported as it is."""
     message = str(exc)
-    found = _UNREADABLE_ARRAY.search(message)
     damaged = any(
         w in message for w in ("corrupt", "DATA_LOSS", "checksum verification failed", "decompress")
     )
+    found = _UNREADABLE_ARRAY.search(message)
+    if damaged and "b-tree node" in message:
+        return CheckpointError(
+            f"checkpoint {path} is corrupt: the index that finds its arrays (an OCDBT "
+            f"b-tree node) cannot be decoded (its bytes changed on disk: {exc}). Resume "
+            "from an older checkpoint"
+        )
     if damaged and found:
         key = found.group(1).replace(".", "/")
         return CheckpointError(
