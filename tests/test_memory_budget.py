@@ -85,7 +85,10 @@ class Steps(jl.Callback):
 def test_a_fit_that_would_not_fit_stops_before_its_first_step_with_the_fix():
     x, y = digits()  # 1797 rows: batches of 1024 hold far more activations than weights
     found = jl.Tuner(quiet_trainer()).memory_budget(LitMLP(), loader(x, y, 1024))
-    limit = found.peak - 1  # a simulated device one byte too small
+    # a simulated device one byte too small for the step and the dataset's
+    # copy kept beside it (the default for a TensorDataset: `data_on_device`)
+    assert found.resident == 1797 * (64 * 4 + 4)
+    limit = found.total - 1
 
     steps = Steps()
     trainer = quiet_trainer(max_epochs=1, device_memory=limit, callbacks=[steps])
@@ -98,8 +101,9 @@ def test_a_fit_that_would_not_fit_stops_before_its_first_step_with_the_fix():
     assert fix in message and steps.batches == 0 and trainer.global_step == 0
 
     # The fixes, as the Tuner ranks them against the same limit (by XLA's peak
-    # under each: the smaller batch with accumulation, FSDP on the 8 devices),
-    # fit: a fit with either's settings and the same simulated memory trains.
+    # under each, with the dataset's copy: the smaller batch with accumulation,
+    # FSDP on the 8 devices; and the step alone, the batches from the host),
+    # fit: a fit with any one's settings and the same simulated memory trains.
     # (Their order here is a matter of about a kilobyte: on CPU the data-
     # parallel step holds the old and the new parameters at once, see
     # Strategy._compile_step, and this model's parameters are 13.5 KiB.)
@@ -107,15 +111,51 @@ def test_a_fit_that_would_not_fit_stops_before_its_first_step_with_the_fix():
     ranked = tuner.memory_budget(LitMLP(), loader(x, y, 1024), device_memory=limit)
     assert not ranked.fits
     whats = sorted(f.what.split(",")[0] for f in ranked.fixes)
-    assert whats == [fix, "strategy='fsdp'"]
+    assert whats == [fix, "data_on_device=False", "strategy='fsdp'"]
     peaks = [f.peak_bytes for f in ranked.fixes]
-    assert peaks == sorted(peaks) and peaks[-1] <= limit < ranked.peak
+    assert peaks == sorted(peaks) and peaks[-1] <= limit < ranked.total
     fixed = quiet_trainer(max_epochs=1, device_memory=limit, accumulate_grad_batches=2)
     fixed.fit(LitMLP(), loader(x, y, 512))
     assert fixed.global_step == 2  # 4 batches of 512 (the last 261 rows), 2 per update
     sharded = quiet_trainer(max_epochs=1, device_memory=limit, strategy="fsdp")
     sharded.fit(LitMLP(), loader(x, y, 1024))
     assert sharded.global_step == 2
+    host = quiet_trainer(max_epochs=1, device_memory=limit, data_on_device=False)
+    host.fit(LitMLP(), loader(x, y, 1024))
+    assert host.global_step == 2 and host.data_path == "host"
+
+
+def test_the_dataset_kept_on_the_device_counts_against_its_memory():
+    # A step that fits alone, but not beside the dataset's copy: the fit stops
+    # with the dataset's row and the fix that leaves the data on the host; the
+    # Tuner's batch-size search leaves room for the copy.
+    x, y = digits(1024)
+    train = loader(x, y, 64)
+    dataset = 1024 * (64 * 4 + 4)
+    found = jl.Tuner(quiet_trainer(devices=1)).memory_budget(LitMLP(hidden=32), train)
+    assert found.resident == dataset and found.total == found.peak + dataset
+    limit = found.peak + dataset // 2
+    steps = Steps()
+    trainer = quiet_trainer(devices=1, max_epochs=1, device_memory=limit, callbacks=[steps])
+    with pytest.raises(jl.MemoryBudgetError) as err:
+        trainer.fit(LitMLP(hidden=32), train)
+    message = str(err.value)
+    assert "dataset kept on the device" in message and "peak with the dataset" in message
+    assert "data_on_device=False" in message and steps.batches == 0
+    host = quiet_trainer(devices=1, max_epochs=1, device_memory=limit, data_on_device=False)
+    host.fit(LitMLP(hidden=32), train)
+    assert host.global_step == 16
+
+    # Batches of 64 fit beside the copy by a byte less than they need: the
+    # search stops at 32, as the host path's does in the memory left beside it.
+    budget = found.total - 1
+    on_device, on_host = (
+        jl.Tuner(quiet_trainer(devices=1, data_on_device=d)).scale_batch_size(
+            LitMLP(hidden=32), train, max_bytes=m, init_val=32
+        )
+        for d, m in (("auto", budget), (False, budget - dataset))
+    )
+    assert on_device == on_host == 32
 
 
 def test_device_memory_is_checked_by_name():

@@ -20,6 +20,7 @@ import optax
 
 from jaxlightning.data import DeviceBatch
 from jaxlightning.data.convert import Rows
+from jaxlightning.data.resident import ResidentBatch
 from jaxlightning.loop.multistep import host_steps, resident_step, resident_steps
 from jaxlightning.module import JaxModule
 from jaxlightning.strategies import FSDPStrategy, ShardMapStrategy, Strategy
@@ -271,12 +272,15 @@ class CompiledSteps:
         limit: int | None,
     ) -> memory.MemoryBudget:
         """The budget of the train step whose XLA count is ``cost`` (called on
-        ``state``'s shapes and batches like ``example``) against ``limit``;
-        when it does not fit, with the fixes XLA finds that do (compiled from
-        shapes at a smaller batch and more accumulation; nothing runs)."""
+        ``state``'s shapes and batches like ``example``) against ``limit``,
+        with the copy of a dataset kept on the devices beside it; when it does
+        not fit, with the fixes XLA finds that do (compiled from shapes at a
+        smaller batch and more accumulation; nothing runs), and the batches
+        from the host where the dataset's copy is what does not fit."""
         rows, shards = example.host.mask.shape[0], self.strategy.num_local_shards
         batch = shard_shapes(example.host.data, rows // shards)
-        found = memory.budget(cost, state, batch, limit)
+        resident = resident_bytes(example)
+        found = memory.budget(cost, state, batch, limit, resident)
         if found.fits:
             return found
 
@@ -284,11 +288,13 @@ class CompiledSteps:
             options = dataclasses.replace(self.options, accumulate_grad_batches=accumulate)
             other = CompiledSteps(strategy, options, seed=self.seed)
             cost = other.cost_at(module, tx, example, rows)
-            return None if cost is None else cost.peak_bytes
+            return None if cost is None else cost.peak_bytes + resident
 
         accumulate = self.options.accumulate_grad_batches
         batch = memory.smaller_batch(rows, shards, accumulate, peak_at, found.limit)
         candidates = [batch] if batch is not None else []
+        if resident:
+            candidates.append(("data_on_device=False", lambda: found.peak))
         if type(self.strategy) is ShardMapStrategy and self.strategy.num_devices > 1:
             fsdp = FSDPStrategy()
             fsdp.setup(self.strategy.devices)
@@ -360,3 +366,11 @@ def _abstract(x: Any) -> Any:
     if not isinstance(x, jax.Array):
         return x
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+
+
+def resident_bytes(example: Any) -> int:
+    """Bytes of the dataset's copy a device keeps beside the train step when
+    ``example`` is a resident dataset's batch (0 for one from the host)."""
+    if isinstance(example, ResidentBatch):
+        return memory.device_bytes(example.dataset.data)
+    return 0

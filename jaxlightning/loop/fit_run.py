@@ -22,7 +22,7 @@ from jaxlightning.data.fit_data import FitData
 from jaxlightning.data.pipeline import Pipeline
 from jaxlightning.io.checkpoint import read_meta
 from jaxlightning.loop import resume
-from jaxlightning.loop.compiled import CompiledSteps
+from jaxlightning.loop.compiled import CompiledSteps, resident_bytes
 from jaxlightning.loop.eval_loop import EvalLoop
 from jaxlightning.loop.fit_loop import FitLoop
 from jaxlightning.loop.hooks import Hooks
@@ -199,3 +199,8 @@ class Sizing:
 
     def budget(self, limit: int | None) -> MemoryBudget | None:
         return self.steps.budget_at(self.module, self.tx, self.example, limit)
+
+    @property
+    def resident(self) -> int:
+        """Bytes of the dataset's copy a device keeps beside the step (0: none)."""
+        return resident_bytes(self.example)

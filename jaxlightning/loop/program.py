@@ -126,8 +126,8 @@ class Program:
     ) -> None:
         """Stops the fit, before any step, when the train step needs more memory
         than a device holds (only where that is known: nothing waits otherwise).
-        The step is counted as the Tuner counts it, on a batch handed to it
-        (a resident dataset's copy is not counted)."""
+        The step is counted as the Tuner counts it, on a batch handed to it,
+        with a resident dataset's copy beside it."""
         limit = self._memory_limit()
         cost = None if limit is None else _cost_of(self._train_step)
         if cost is None:

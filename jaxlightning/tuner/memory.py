@@ -61,9 +61,11 @@ class MemoryBudget:
         temporaries: XLA's temporaries: gradients, activations, intermediates.
         outputs: outputs that are not donated inputs (XLA's outputs less its
             aliased bytes).
-        peak: XLA's peak (at least the sum of the above).
+        peak: XLA's peak for the step (at least the sum of the above).
         limit: the device's memory (``None``: not known, nothing checked).
-        fixes: changes that fit, smallest peak first (only when this does not).
+        fixes: changes that fit, smallest total first (only when this does not).
+        resident: the dataset's copy a device keeps beside the step
+            (``data_on_device``; 0 where batches come from the host).
     """
 
     params: int
@@ -75,10 +77,16 @@ class MemoryBudget:
     peak: int
     limit: int | None = None
     fixes: tuple[Fix, ...] = ()
+    resident: int = 0
+
+    @property
+    def total(self) -> int:
+        """What a device holds at the step's peak: the step's and the dataset's."""
+        return self.peak + self.resident
 
     @property
     def fits(self) -> bool:
-        return self.limit is None or self.peak <= self.limit
+        return self.limit is None or self.total <= self.limit
 
     def rows(self) -> list[tuple[str, int]]:
         return [
@@ -88,20 +96,22 @@ class MemoryBudget:
             ("batch shard", self.batch),
             ("temporaries (gradients, activations)", self.temporaries),
             ("outputs not donated", self.outputs),
-        ]
+        ] + ([("dataset kept on the device", self.resident)] if self.resident else [])
 
     def table(self) -> str:
         """The budget as lines of text, the fixes ranked by bytes saved."""
         lines = ["Train step memory per device (XLA, nothing run):"]
         lines += [f"  {name:<40}{_size(n):>12}" for name, n in self.rows()]
         lines.append(f"  {'peak':<40}{_size(self.peak):>12}")
+        if self.resident:
+            lines.append(f"  {'peak with the dataset':<40}{_size(self.total):>12}")
         if self.limit is not None:
-            verdict = "fits" if self.fits else f"over by {_size(self.peak - self.limit)}"
+            verdict = "fits" if self.fits else f"over by {_size(self.total - self.limit)}"
             lines.append(f"  {'device memory':<40}{_size(self.limit):>12}  ({verdict})")
         for i, fix in enumerate(self.fixes, 1):
             lines.append(
                 f"  fix {i}: {fix.what}: peak {_size(fix.peak_bytes)} "
-                f"(saves {_size(fix.saves(self.peak))})"
+                f"(saves {_size(fix.saves(self.total))})"
             )
         return "\n".join(lines)
 
@@ -126,11 +136,14 @@ def device_bytes(tree: Any) -> int:
     return total
 
 
-def budget(cost: StepCost, state: Any, batch: Any, limit: int | None) -> MemoryBudget:
+def budget(
+    cost: StepCost, state: Any, batch: Any, limit: int | None, resident: int = 0
+) -> MemoryBudget:
     """The `MemoryBudget` of a compiled step whose XLA count is ``cost``, called
     with ``state`` (shapes with their shardings) and a batch whose one-device
     share of data is ``batch`` (shapes): XLA's inputs less the parameters, the
-    optimizer state and the data are the rest (`MemoryBudget.other_state`)."""
+    optimizer state and the data are the rest (`MemoryBudget.other_state`).
+    ``resident``: the bytes of a dataset kept on the device beside the step."""
     params, optimizer = device_bytes(state.params), device_bytes(state.opt_state)
     batch_bytes = device_bytes(batch)
     other = cost.argument_bytes - params - optimizer - batch_bytes
@@ -144,15 +157,16 @@ def budget(cost: StepCost, state: Any, batch: Any, limit: int | None) -> MemoryB
         outputs=outputs,
         peak=cost.peak_bytes,
         limit=limit,
+        resident=resident,
     )
 
 
 def with_fixes(
     found: MemoryBudget, candidates: list[tuple[str, Callable[[], int | None]]]
 ) -> MemoryBudget:
-    """``found`` with those of ``candidates`` (``(what to pass, its XLA peak
-    on demand)``) that fit, most bytes saved first. A candidate whose peak
-    cannot be had (``None``) is left out."""
+    """``found`` with those of ``candidates`` (``(what to pass, what a device
+    would hold with it, on demand)``) that fit, most bytes saved first. A
+    candidate whose bytes cannot be had (``None``) is left out."""
     fixes = []
     for what, peak_at in candidates:
         peak = peak_at()

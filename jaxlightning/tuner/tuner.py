@@ -104,6 +104,7 @@ class Tuner:
                 cost,
                 trainer.strategy,
                 budget,
+                resident=cost.resident,
                 mode=mode,
                 init_val=init_val,
                 max_trials=max_trials,
@@ -185,10 +186,18 @@ class Tuner:
 
 
 def _search(
-    cost_at: Any, strategy: Any, budget: int, *, mode: str, init_val: int, max_trials: int
+    cost_at: Any,
+    strategy: Any,
+    budget: int,
+    *,
+    resident: int,
+    mode: str,
+    init_val: int,
+    max_trials: int,
 ) -> int:
-    """The largest size whose step fits ``budget`` (doubling, then bisecting
-    for ``"binsearch"``), in at most ``max_trials`` compiles."""
+    """The largest size whose step fits ``budget`` beside ``resident`` bytes of
+    a dataset kept on the device (doubling, then bisecting for
+    ``"binsearch"``), in at most ``max_trials`` compiles."""
     shards = strategy.num_local_shards
 
     def fits(size: int) -> bool:
@@ -200,13 +209,20 @@ def _search(
                 "strategy on this backend, so the batch size cannot be found without "
                 "running out of memory; tune with strategy='auto'"
             )
-        return cost.peak_bytes <= budget
+        return cost.peak_bytes + resident <= budget
 
     size, trials = init_val, 1
     if not fits(size):
+        beside = (
+            f" beside the dataset's copy kept on it ({resident / 2**20:.4g} MiB; "
+            "data_on_device=False leaves it on the host)"
+            if resident
+            else ""
+        )
         raise ValueError(
             f"even a batch of init_val={init_val} does not fit {budget / 2**20:.4g} MiB per "
-            "device; lower init_val, or fit a smaller model (or shard it: strategy='fsdp')"
+            f"device{beside}; lower init_val, or fit a smaller model (or shard it: "
+            "strategy='fsdp')"
         )
     low, high = size, None  # the largest size that fits, the smallest that does not
     while trials < max_trials:
