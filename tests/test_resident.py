@@ -94,9 +94,23 @@ def test_a_resident_batch_is_gathered_in_its_train_steps_dispatch(compiles, monk
     assert compiles.matching("jl_train_step") == 1, compiles.counts
     # no batch gathered in a dispatch of its own
     assert gathered == []
-    # a batch's data asked for apart (an evaluation's, a callback's) still is
+    # an evaluation's batches too are gathered in its step's dispatch
     trainer.validate(trainer.lightning_module, loader(XV, YV, 16))
+    assert compiles.matching("jl_eval_step_gathered") == 1, compiles.counts
+    assert gathered == [] and compiles.matching("_gather)") == 0, compiles.counts
+    # a batch's data asked for apart (predict's, a callback's) still is
+    trainer.predict(trainer.lightning_module, loader(XV, YV, 16))
     assert len(gathered) == 4  # its 4 batches (61 rows, 16 a batch)
+
+
+def test_the_memory_check_compiles_a_resident_fits_plain_step_from_shapes(compiles):
+    # With the device's memory known the check counts the plain step too,
+    # compiled from the batch's shapes: no batch gathered apart for it.
+    trainer = _fit(True, loader(X, Y, 16, shuffle=True), max_epochs=1, device_memory=2**30)
+    assert trainer.data_path == "device" and trainer.global_step == 13
+    assert compiles.matching("jl_train_step_gathered") == 1, compiles.counts
+    assert compiles.matching("jl_train_step)") == 1, compiles.counts  # the plain one
+    assert compiles.matching("_gather)") == 0, compiles.counts
 
 
 def test_resident_mid_epoch_resume_is_bitwise_an_uninterrupted_host_run(tmp_path):

@@ -162,6 +162,12 @@ class ResidentBatch:
     def mask(self) -> Rows:
         return self._gathered()[1]
 
+    @property
+    def gathering(self) -> tuple[Any, Rows, Rows]:
+        """The batch as a step that gathers its rows takes it: the dataset's
+        copy, the row indices and the rows (`multistep._gather`)."""
+        return self.dataset.data, self.indices, self.rows
+
 
 class ResidentHostBatch:
     """A resident batch's host side, as a `HostBatch` reads: its mask and number

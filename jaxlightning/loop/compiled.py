@@ -21,7 +21,7 @@ import optax
 from jaxlightning.data import DeviceBatch
 from jaxlightning.data.convert import Rows
 from jaxlightning.data.resident import ResidentBatch
-from jaxlightning.loop.multistep import host_steps, resident_step, resident_steps
+from jaxlightning.loop.multistep import host_steps, resident_eval, resident_step, resident_steps
 from jaxlightning.module import JaxModule
 from jaxlightning.strategies import FSDPStrategy, ShardMapStrategy, Strategy
 from jaxlightning.training import contract
@@ -240,8 +240,7 @@ class CompiledSteps:
         init, args = self._init_program(module, tx, example)
         state = init.trace(*args).out_info
         per_shard = rows // self.strategy.num_local_shards
-        data = shard_shapes(example.host.data, rows)  # the global batch's shapes
-        mask = Rows(jax.ShapeDtypeStruct((rows,), bool), jax.ShapeDtypeStruct((rows,), jnp.int32))
+        data, mask = batch_shapes(example, rows)
         acc0, _ = zero_train_metrics(
             module, state, shard_shapes(example.host.data, per_shard), tx, self.options
         )
@@ -312,21 +311,26 @@ class CompiledSteps:
     ) -> tuple[Callable[..., Any], Metrics, Options]:
         """The compiled evaluation of ``hook``, its empty accumulator and the
         options of what it logs (compiled once per module, hook, shapes and,
-        with several loaders, loader index)."""
+        with several loaders, loader index). It takes ``(variables, acc,
+        *batch_args(batch))``: a resident dataset's batch is gathered in its
+        dispatch (`multistep.resident_eval`)."""
         example = shard_shapes(first.host.data, self.shard_rows(first))
         shapes = (jax.tree.structure(example), tuple(jax.tree.leaves(example)))
-        key = ("eval", hook, module, shapes, dataloader_idx)
+        resident = isinstance(first, ResidentBatch)
+        key = ("eval", hook, module, shapes, dataloader_idx, resident)
         if key not in self._eval_fns:
             compiled = self.strategy.compile(
                 build_eval_step(module, hook, self.options.precision, dataloader_idx),
                 sharded_args=(False, False, True, True),
                 sharded_out=False,
             )
+            if resident:
+                compiled = resident_eval(compiled, *self.strategy.batch_placement)  # type: ignore[misc]
             local = jax.eval_shape(self.strategy.unreplicate, variables)
             zeros, options = zero_eval_metrics(module, hook, local, example, dataloader_idx)
             self._eval_fns[key] = (compiled, self.strategy.replicate(zeros), options)
         step = self._eval_fns[key]
-        call = (variables, step[1], first.data, first.mask)
+        call = (variables, step[1], *batch_args(first))
         self._last_eval = (step[0], jax.tree.map(_abstract, call))
         return step
 
@@ -374,3 +378,19 @@ def resident_bytes(example: Any) -> int:
     if isinstance(example, ResidentBatch):
         return memory.device_bytes(example.dataset.data)
     return 0
+
+
+def batch_shapes(example: Any, rows: int | None = None) -> tuple[Any, Rows]:
+    """Abstract shapes of a global batch like ``example``'s (of ``rows`` rows,
+    default its own) and of its `Rows`: a step compiles for it from them."""
+    rows = example.host.mask.shape[0] if rows is None else rows
+    data = shard_shapes(example.host.data, rows)
+    return data, Rows(jax.ShapeDtypeStruct((rows,), bool), jax.ShapeDtypeStruct((rows,), jnp.int32))
+
+
+def batch_args(batch: Any) -> tuple[Any, ...]:
+    """``batch`` as a step takes it: its data and mask, or for a resident
+    dataset's batch what the step gathers it from (`ResidentBatch.gathering`)."""
+    if isinstance(batch, ResidentBatch):
+        return batch.gathering
+    return batch.data, batch.mask

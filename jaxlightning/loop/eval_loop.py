@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxlightning import checks
 from jaxlightning.data import Pipeline
+from jaxlightning.loop.compiled import batch_args
 from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.program import Program
 from jaxlightning.loop.progress import Progress
@@ -213,7 +214,7 @@ class EvalLoop:
             steps = []  # each step's rank-metric rows and own values (on device until the end)
             for batch_idx, batch in enumerate(batches):
                 self.hooks(f"on_{stage}_batch_start", module, batch_idx)
-                out = eval_step(variables, acc, batch.data, batch.mask)
+                out = eval_step(variables, acc, *batch_args(batch))
                 acc = {n: m for n, m in out.items() if n in acc}
                 if kept:
                     steps.append({n: out[n] for n in kept})

@@ -10,7 +10,8 @@ dispatch at all (the group's rows are gathered inside its program).
 
 Groups shorter than k (ended early at a report, a validation, an epoch's end)
 run step by step. One step of a resident dataset's batch (`resident_step`) also
-gathers its rows in its own dispatch.
+gathers its rows in its own dispatch, and so does an evaluation's
+(`resident_eval`).
 """
 
 from __future__ import annotations
@@ -115,3 +116,20 @@ def resident_step(
         donate_argnums=(1,) if apart else (0,),
     )
     return ParamsApart(program) if apart else program
+
+
+def resident_eval(
+    step: Callable[..., Any], replicated: jax.sharding.Sharding, batch: jax.sharding.Sharding
+) -> Callable[[Any, Any, Any, Any, Rows], Any]:
+    """``(variables, acc, data, indices, rows) -> metrics``: the compiled
+    evaluation ``step`` on one batch of a dataset resident on the devices, its
+    rows gathered (`_gather`) in the same dispatch, as `resident_step` trains
+    one: no gather program of its own to compile, nor to dispatch per batch.
+    Named after ``step``, ``_gathered`` added."""
+    name = getattr(step, "__name__", "jl_eval_step") + "_gathered"
+
+    def gathered(variables, acc, data, indices, rows):
+        return step(variables, acc, *_gather(data, indices, rows, batch))
+
+    gathered.__name__ = gathered.__qualname__ = name
+    return jax.jit(gathered, in_shardings=(None, None, replicated, batch, batch))

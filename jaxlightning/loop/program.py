@@ -24,7 +24,7 @@ import optax
 from jaxlightning.data import DeviceBatch
 from jaxlightning.data.resident import ResidentBatch
 from jaxlightning.io.checkpoint import restore, restore_variables
-from jaxlightning.loop.compiled import CompiledSteps, zeros_like_local
+from jaxlightning.loop.compiled import CompiledSteps, batch_shapes, zeros_like_local
 from jaxlightning.loop.held_state import HeldState
 from jaxlightning.loop.progress import Progress
 from jaxlightning.module import JaxModule
@@ -92,18 +92,18 @@ class Program:
         acc0, self.train_options = self.steps.zero_train_metrics(module, shapes, example, tx)
         # The step that will run compiles ahead: for a resident dataset's batches
         # the one that gathers them; the plain step too where the memory check
-        # reads it (a device whose memory is known: an accelerator).
+        # reads it (a device whose memory is known: an accelerator), from the
+        # batch's shapes (no gather needed to count it).
         self._train_step = self.steps.train_step(module, tx)
         self._resident_step = None
         resident = isinstance(example, ResidentBatch)
         if resident:
             self._resident_step = self.strategy.precompile(
-                self.steps.resident_step(), shapes, acc0, *_gathering(example)
+                self.steps.resident_step(), shapes, acc0, *example.gathering
             )
         if not resident or self._memory_limit() is not None:
-            self._train_step = self.strategy.precompile(
-                self._train_step, shapes, acc0, example.data, example.mask
-            )
+            batch = batch_shapes(example) if resident else (example.data, example.mask)
+            self._train_step = self.strategy.precompile(self._train_step, shapes, acc0, *batch)
         for step in (self._train_step, self._resident_step):
             if isinstance(step, Precompiled):
                 threads.callback(step.join)
@@ -170,7 +170,7 @@ class Program:
         a resident dataset's batch is gathered in the same dispatch."""
         if isinstance(batch, ResidentBatch):
             step = self._resident_step or self.steps.resident_step()
-            self.held.advance(step, *_gathering(batch))
+            self.held.advance(step, *batch.gathering)
         else:
             self.held.advance(self._train_step, batch.data, batch.mask)
 
@@ -258,11 +258,6 @@ def _cost_of(step: Any) -> StepCost | None:
         compiled = step.compiled()
         return None if compiled is None else step_cost(compiled)
     return None
-
-
-def _gathering(batch: ResidentBatch) -> tuple[Any, ...]:
-    """A resident batch's arguments to the step that gathers it."""
-    return batch.dataset.data, batch.indices, batch.rows
 
 
 def _mixed(batches: list[Any]) -> bool:
