@@ -78,7 +78,7 @@ class Steps(jl.Callback):
     def __init__(self):
         self.batches = 0
 
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+    def on_train_batch_start(self, trainer, module, batch_idx):
         self.batches += 1
 
 
@@ -90,8 +90,10 @@ def test_a_fit_that_would_not_fit_stops_before_its_first_step_with_the_fix():
     assert found.resident == 1797 * (64 * 4 + 4)
     limit = found.total - 1
 
-    steps = Steps()
-    trainer = quiet_trainer(max_epochs=1, device_memory=limit, callbacks=[steps])
+    steps = Steps()  # (under "auto" the fit would take the host path: the test below)
+    trainer = quiet_trainer(
+        max_epochs=1, device_memory=limit, callbacks=[steps], data_on_device=True
+    )
     with pytest.raises(jl.MemoryBudgetError) as err:
         trainer.fit(LitMLP(), loader(x, y, 1024))
     message = str(err.value)
@@ -126,8 +128,10 @@ def test_a_fit_that_would_not_fit_stops_before_its_first_step_with_the_fix():
 
 
 def test_the_dataset_kept_on_the_device_counts_against_its_memory():
-    # A step that fits alone, but not beside the dataset's copy: the fit stops
-    # with the dataset's row and the fix that leaves the data on the host; the
+    # A step that fits alone, but not beside the dataset's copy: a fit that
+    # insists on the copy (data_on_device=True) stops with the dataset's row
+    # and the fix that leaves the data on the host; under "auto" the fit says
+    # so and takes that fix itself, training as the host path does. The
     # Tuner's batch-size search leaves room for the copy.
     x, y = digits(1024)
     train = loader(x, y, 64)
@@ -136,15 +140,24 @@ def test_the_dataset_kept_on_the_device_counts_against_its_memory():
     assert found.resident == dataset and found.total == found.peak + dataset
     limit = found.peak + dataset // 2
     steps = Steps()
-    trainer = quiet_trainer(devices=1, max_epochs=1, device_memory=limit, callbacks=[steps])
+    insisting = quiet_trainer(
+        devices=1, max_epochs=1, device_memory=limit, callbacks=[steps], data_on_device=True
+    )
     with pytest.raises(jl.MemoryBudgetError) as err:
-        trainer.fit(LitMLP(hidden=32), train)
+        insisting.fit(LitMLP(hidden=32), train)
     message = str(err.value)
     assert "dataset kept on the device" in message and "peak with the dataset" in message
     assert "data_on_device=False" in message and steps.batches == 0
     host = quiet_trainer(devices=1, max_epochs=1, device_memory=limit, data_on_device=False)
     host.fit(LitMLP(hidden=32), train)
     assert host.global_step == 16
+    auto = quiet_trainer(devices=1, max_epochs=1, device_memory=limit, callbacks=[steps])
+    with pytest.warns(UserWarning, match=r"does not fit beside LitMLP's train step .*host"):
+        auto.fit(LitMLP(hidden=32), train)
+    assert auto.data_path == "host" and auto.global_step == 16 and steps.batches == 16
+    pairs = zip(jax.tree.leaves(auto.state.params), jax.tree.leaves(host.state.params), strict=True)
+    for a, b in pairs:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     # Batches of 64 fit beside the copy by a byte less than they need: the
     # search stops at 32, as the host path's does in the memory left beside it.

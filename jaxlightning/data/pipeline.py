@@ -12,6 +12,7 @@ everything between a user's loader and a step's arguments:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections.abc import Iterable, Iterator
@@ -233,6 +234,16 @@ class Pipeline:
             len(loader.dataset), shuffle=False, seed=self.seed, replicas=processes
         )
         return [sampler.share(p) for p in range(processes)]
+
+    @contextlib.contextmanager
+    def from_host(self) -> Iterator[None]:
+        """Within the block every pass loads its batches on the host, whatever
+        ``data_on_device`` says."""
+        asked, self.data_on_device = self.data_on_device, False
+        try:
+            yield
+        finally:
+            self.data_on_device = asked
 
     # -------------------------------------------------------------- internals
     def _resident(self, loader: Any, role: str, shuffle: bool | None) -> ResidentDataset | None:

@@ -125,7 +125,9 @@ class TrainerArgs:
             over a `TensorDataset` or over arrays, in a single process, under a
             strategy with global batches; each step's rows are then gathered on
             the devices. ``True`` insists (an error says why it cannot),
-            ``False`` always loads batches on the host. ``trainer.data_path``
+            ``False`` always loads batches on the host. Where the device's
+            memory is known and the train step fits it but not beside the
+            copy, ``"auto"`` says so and loads on the host. ``trainer.data_path``
             and the model summary say which a fit uses.
         steps_per_execution: train this many batches per dispatch (Keras's
             name): one compiled program scans over them, so a small model

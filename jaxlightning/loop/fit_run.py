@@ -18,6 +18,7 @@ from typing import Any
 from jaxlightning import checks
 from jaxlightning.callbacks.plateau import PlateauStepper
 from jaxlightning.cluster import slurm
+from jaxlightning.cluster.rank_zero import rank_zero_warn
 from jaxlightning.data.fit_data import FitData
 from jaxlightning.data.pipeline import Pipeline
 from jaxlightning.io.checkpoint import read_meta
@@ -35,7 +36,7 @@ from jaxlightning.module import JaxModule
 from jaxlightning.schedule import Schedule
 from jaxlightning.training import contract
 from jaxlightning.tuner.cost import StepCost
-from jaxlightning.tuner.memory import MemoryBudget
+from jaxlightning.tuner.memory import DatasetDoesNotFit, MemoryBudget
 
 
 class FitRun:
@@ -102,6 +103,17 @@ class FitRun:
         self.data = data  # for the checkpoint record and recompute_batch_statistics
         try:
             self._train(module, data, val, tx, path, meta, skip)
+        except DatasetDoesNotFit as err:
+            if self.pipeline.data_on_device != "auto":
+                raise
+            rank_zero_warn(  # found before anything ran: the fit starts again
+                f"The dataset's copy on each device ({err.found.resident / 2**20:.1f} MiB) "
+                f"does not fit beside {type(module).__name__}'s train step (peak "
+                f"{err.found.peak / 2**20:.1f} MiB of {err.found.limit / 2**20:.1f} MiB): this "
+                "fit loads its batches on the host (pass data_on_device=False to skip the try)"
+            )
+            with self.pipeline.from_host():
+                self._train(module, data, val, tx, path, meta, skip)
         finally:
             self.data = None
         self.hooks("on_fit_end", module)

@@ -140,10 +140,13 @@ class Program:
                 else "Nothing XLA was asked about fits: shard the model (strategy='fsdp'), "
                 "recompute activations (nn.remat), or train in bfloat16 (precision='bf16-mixed')"
             )
-            raise memory.MemoryBudgetError(
+            message = (
                 f"{type(module).__name__}'s train step needs more memory than a device "
                 f"holds; nothing was run.\n{found.table()}\n{hint}"
             )
+            if found.peak <= limit:  # it is the dataset's copy that does not fit
+                raise memory.DatasetDoesNotFit(message, found)
+            raise memory.MemoryBudgetError(message)
 
     def ready(self) -> None:
         """Waits for the train step's ahead-of-time compile (errors surface at

@@ -36,6 +36,16 @@ class MemoryBudgetError(RuntimeError):
     """The train step needs more memory than a device has (found before it ran)."""
 
 
+class DatasetDoesNotFit(MemoryBudgetError):
+    """The train step fits a device, but not beside the dataset's copy kept
+    there (``data_on_device``): under ``"auto"`` the fit takes its batches from
+    the host instead."""
+
+    def __init__(self, message: str, found: MemoryBudget) -> None:
+        super().__init__(message)
+        self.found = found
+
+
 @dataclasses.dataclass(frozen=True)
 class Fix:
     """A change XLA was asked about: ``what`` to pass, and the peak it gives."""
