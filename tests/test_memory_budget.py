@@ -6,6 +6,8 @@ Checked against the trained state's own arrays (numpy's byte counts) and the
 fit's own compiled step (`Trainer.train_step_cost`, a separate compile from the
 Tuner's, which compiles from shapes)."""
 
+import gc
+
 import jax
 import numpy as np
 import pytest
@@ -151,10 +153,13 @@ def test_the_dataset_kept_on_the_device_counts_against_its_memory():
     host = quiet_trainer(devices=1, max_epochs=1, device_memory=limit, data_on_device=False)
     host.fit(LitMLP(hidden=32), train)
     assert host.global_step == 16
+    del insisting, err  # (its copy of the dataset)
     auto = quiet_trainer(devices=1, max_epochs=1, device_memory=limit, callbacks=[steps])
     with pytest.warns(UserWarning, match=r"does not fit beside LitMLP's train step .*host"):
         auto.fit(LitMLP(hidden=32), train)
     assert auto.data_path == "host" and auto.global_step == 16 and steps.batches == 16
+    gc.collect()  # the copy it made first is let go
+    assert not [a for a in jax.live_arrays() if a.shape == x.shape], "a dataset copy lives"
     pairs = zip(jax.tree.leaves(auto.state.params), jax.tree.leaves(host.state.params), strict=True)
     for a, b in pairs:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -238,7 +238,10 @@ class Pipeline:
     @contextlib.contextmanager
     def from_host(self) -> Iterator[None]:
         """Within the block every pass loads its batches on the host, whatever
-        ``data_on_device`` says."""
+        ``data_on_device`` says; the datasets' copies on the devices are let go."""
+        for roles in self._wrapped.values():
+            for role in [r for r in roles if r.startswith("resident-")]:
+                del roles[role]
         asked, self.data_on_device = self.data_on_device, False
         try:
             yield

@@ -102,21 +102,33 @@ class FitRun:
                 return resume.load_instead(module, path, self.progress, reason)
         self.data = data  # for the checkpoint record and recompute_batch_statistics
         try:
-            self._train(module, data, val, tx, path, meta, skip)
-        except DatasetDoesNotFit as err:
-            if self.pipeline.data_on_device != "auto":
-                raise
-            rank_zero_warn(  # found before anything ran: the fit starts again
-                f"The dataset's copy on each device ({err.found.resident / 2**20:.1f} MiB) "
-                f"does not fit beside {type(module).__name__}'s train step (peak "
-                f"{err.found.peak / 2**20:.1f} MiB of {err.found.limit / 2**20:.1f} MiB): this "
-                "fit loads its batches on the host (pass data_on_device=False to skip the try)"
-            )
-            with self.pipeline.from_host():
-                self._train(module, data, val, tx, path, meta, skip)
+            found = self._train_if_data_fits(module, data, val, tx, path, meta, skip)
+            if found is not None:  # nothing ran: the fit starts again, from the host
+                copy, peak, limit = (n / 2**20 for n in (found.resident, found.peak, found.limit))
+                rank_zero_warn(
+                    f"The dataset's copy on each device ({copy:.1f} MiB) does not fit beside "
+                    f"{type(module).__name__}'s train step (peak {peak:.1f} MiB of "
+                    f"{limit:.1f} MiB): this fit loads its batches on the host (pass "
+                    "data_on_device=False to skip the try)"
+                )
+                with self.pipeline.from_host():
+                    self._train(module, data, val, tx, path, meta, skip)
         finally:
             self.data = None
         self.hooks("on_fit_end", module)
+
+    def _train_if_data_fits(self, *args: Any) -> MemoryBudget | None:
+        """`_train`; or, where ``data_on_device="auto"`` kept the dataset on the
+        devices and the train step fits a device but not beside its copy, that
+        budget (found before anything ran; the copy's last reference, in the
+        error's frames, is gone on return)."""
+        try:
+            self._train(*args)
+        except DatasetDoesNotFit as err:
+            if self.pipeline.data_on_device != "auto":
+                raise
+            return err.found
+        return None
 
     def _optimizer(self, module: JaxModule, manual: bool) -> Any:
         """The module's optimizer; a ReduceLROnPlateau it configures steps this fit."""
