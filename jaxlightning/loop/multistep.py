@@ -89,6 +89,19 @@ def resident_steps(
     )
 
 
+def _gathering(fn: Callable[..., Any], batch: jax.sharding.Sharding, default: str) -> Any:
+    """``fn(*carried, batch, rows)`` as ``(*carried, data, indices, rows)``: its
+    batch gathered first (`_gather`). Named after ``fn`` (else ``default``),
+    ``_gathered`` added (compile logs, profiles)."""
+
+    def gathered(*args):
+        *carried, data, indices, rows = args
+        return fn(*carried, *_gather(data, indices, rows, batch))
+
+    gathered.__name__ = gathered.__qualname__ = getattr(fn, "__name__", default) + "_gathered"
+    return gathered
+
+
 def resident_step(
     step: Callable[..., Any], replicated: jax.sharding.Sharding, batch: jax.sharding.Sharding
 ) -> Callable[[Any, Any, Any, Any, Rows], tuple[Any, Any]]:
@@ -98,20 +111,13 @@ def resident_step(
     less per step: 5-8% of an epoch of a small MLP on 2 CPU cores).
 
     The state is donated as ``step`` donates it: where it keeps the parameters
-    apart (`ParamsApart`, on the CPU backend) so does this program. It is
-    named after ``step``, ``_gathered`` added (compile logs, profiles)."""
+    apart (`ParamsApart`, on the CPU backend) so does this program, whose
+    arguments are then ``(params, rest, acc, data, indices, rows)``."""
     apart = isinstance(step, ParamsApart)
     inner = step.compiled if apart else step
-    name = getattr(inner, "__name__", "jl_train_step") + "_gathered"
-
-    def gathered(*args):  # (params, rest, acc, ...) apart, else (state, acc, ...)
-        *carried, data, indices, rows = args
-        return inner(*carried, *_gather(data, indices, rows, batch))
-
-    gathered.__name__ = gathered.__qualname__ = name
     carried = (None, None, None) if apart else (None, None)
     program = jax.jit(
-        gathered,
+        _gathering(inner, batch, "jl_train_step"),
         in_shardings=(*carried, replicated, batch, batch),
         donate_argnums=(1,) if apart else (0,),
     )
@@ -124,12 +130,6 @@ def resident_eval(
     """``(variables, acc, data, indices, rows) -> metrics``: the compiled
     evaluation ``step`` on one batch of a dataset resident on the devices, its
     rows gathered (`_gather`) in the same dispatch, as `resident_step` trains
-    one: no gather program of its own to compile, nor to dispatch per batch.
-    Named after ``step``, ``_gathered`` added."""
-    name = getattr(step, "__name__", "jl_eval_step") + "_gathered"
-
-    def gathered(variables, acc, data, indices, rows):
-        return step(variables, acc, *_gather(data, indices, rows, batch))
-
-    gathered.__name__ = gathered.__qualname__ = name
+    one: no gather program of its own to compile, nor to dispatch per batch."""
+    gathered = _gathering(step, batch, "jl_eval_step")
     return jax.jit(gathered, in_shardings=(None, None, replicated, batch, batch))
