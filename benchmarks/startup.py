@@ -90,7 +90,7 @@ def main() -> None:
     )
     trainer.fit(common.LitMLP(), train, val)
     end = time.perf_counter()
-    from jaxlightning.training import compiling
+    from jaxlightning.xla import compiling
 
     # The event fires for cache hits too, and for a compile the backend refused
     # at once for an option it does not know (retried without it).

@@ -39,8 +39,8 @@ from jaxlightning.trainer import Trainer as Trainer
 from jaxlightning.trainer import TrainerArgs as TrainerArgs
 from jaxlightning.training.state import TrainState as TrainState
 from jaxlightning.training.step import AXIS as AXIS
-from jaxlightning.tuner.memory import MemoryBudget as MemoryBudget
-from jaxlightning.tuner.memory import MemoryBudgetError as MemoryBudgetError
 from jaxlightning.tuner.tuner import Tuner as Tuner
+from jaxlightning.xla.memory import MemoryBudget as MemoryBudget
+from jaxlightning.xla.memory import MemoryBudgetError as MemoryBudgetError
 
 __version__ = "0.1.0"

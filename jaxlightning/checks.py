@@ -10,17 +10,11 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
-import optax
-
-from jaxlightning.callbacks.plateau import ReduceLROnPlateau, plateau_scale
-from jaxlightning.callbacks.rollback import Rollback
 from jaxlightning.strategies.shard_map import ShardMapStrategy
 from jaxlightning.training import contract
-from jaxlightning.training.loss_scale import with_loss_scale
-from jaxlightning.training.optimizers import ALL, Groups, by_group
 from jaxlightning.training.step import StepOptions
 
 
@@ -84,8 +78,6 @@ def step_options(
     on_nonfinite: Any = "raise",
 ) -> StepOptions:
     """The train step's gradient options, checked."""
-    if isinstance(on_nonfinite, Rollback):
-        on_nonfinite = "rollback"
     if on_nonfinite not in ("raise", "skip", "rollback"):
         raise ValueError(
             f"on_nonfinite={on_nonfinite!r}: use 'raise' (stop at the next report), 'skip' "
@@ -107,95 +99,6 @@ def step_options(
     return StepOptions(
         clip_val, clip_algorithm, bool(log_grad_norm), accumulate, on_nonfinite=on_nonfinite
     )
-
-
-def optimizer(module: Any, *, manual: bool = False) -> tuple[Any, Any]:
-    """What ``module.configure_optimizers()`` returns, as the train step uses it,
-    and the plateau scheduler it asks for (`lightning_config`).
-
-    One optax transformation, or a dict of them by top-level params entry
-    (`optimizers.by_group` for `JaxModule.loss`; `optimizers.Groups` for
-    manual optimization, which gets a single transformation as one group).
-    """
-    with contract.in_hook(module, "configure_optimizers"):
-        config = module.configure_optimizers()
-    config, plateau = lightning_config(config, manual)
-    tx = _optimizer(config, manual)
-    if plateau is not None:
-        tx = optax.chain(tx, plateau_scale())
-    return tx, plateau
-
-
-def lightning_config(config: Any, manual: bool) -> tuple[Any, Any]:
-    """``(optimizer, (scheduler, monitor) or None)`` from Lightning's dict form
-    ``{"optimizer": tx, "lr_scheduler": {"scheduler": ..., "monitor": ...}}``
-    (anything else is returned as it is, with ``None``)."""
-    if not (isinstance(config, Mapping) and "optimizer" in config):
-        return config, None
-    unknown = sorted(set(config) - {"optimizer", "lr_scheduler", "monitor"})
-    if unknown:
-        raise ValueError(
-            f"configure_optimizers() returned a dict with 'optimizer' and {unknown}; Lightning's "
-            "form takes 'optimizer', 'lr_scheduler' and 'monitor'"
-        )
-    scheduler = config.get("lr_scheduler")
-    if scheduler is None:
-        return config["optimizer"], None
-    settings = dict(scheduler) if isinstance(scheduler, Mapping) else {"scheduler": scheduler}
-    monitor = settings.get("monitor", config.get("monitor"))
-    if not isinstance(settings.get("scheduler"), ReduceLROnPlateau):
-        raise TypeError(
-            f"lr_scheduler {type(settings.get('scheduler')).__name__} is not supported: give "
-            "the optimizer an optax schedule (optax.adam(optax.cosine_decay_schedule(...))); "
-            "the dict form takes a jl.ReduceLROnPlateau, driven by a monitored metric"
-        )
-    if manual:
-        raise ValueError(
-            "an lr_scheduler with manual optimization (training_step) is not supported"
-        )
-    if not isinstance(monitor, str):
-        raise ValueError(
-            "jl.ReduceLROnPlateau needs a metric to monitor: {'scheduler': ..., 'monitor': "
-            "'val_loss'} (a name in trainer.callback_metrics)"
-        )
-    if settings.get("interval", "epoch") != "epoch" or settings.get("frequency", 1) != 1:
-        raise ValueError(
-            "jl.ReduceLROnPlateau is stepped after every training epoch; 'interval' other than "
-            "'epoch' and 'frequency' other than 1 are not supported"
-        )
-    return config["optimizer"], (settings["scheduler"], monitor)
-
-
-def _optimizer(config: Any, manual: bool) -> Any:
-    if isinstance(config, Mapping) and config:
-        for key, tx in config.items():
-            if not isinstance(_transformation(tx), optax.GradientTransformation):
-                raise TypeError(
-                    f"configure_optimizers() returned {type(tx).__name__} for {key!r}; the "
-                    "dict's values must be optax transformations"
-                )
-        txs = {key: _transformation(tx) for key, tx in config.items()}
-        return Groups(txs) if manual else by_group(txs)
-    tx = _transformation(config)
-    if isinstance(tx, optax.GradientTransformation):
-        return Groups({ALL: tx}) if manual else tx
-    hint = ""
-    if isinstance(config, (tuple, list)):
-        hint = (
-            " (for several optimizers return a dict {params_key: transformation}, keyed "
-            "by top-level entries of variables['params'])"
-        )
-    raise TypeError(
-        f"configure_optimizers() returned {type(config).__name__}; return an optax "
-        f"GradientTransformation such as optax.adam(1e-3){hint}"
-    )
-
-
-def _transformation(tx: Any) -> Any:
-    if isinstance(tx, optax.GradientTransformation):
-        return tx
-    as_transform = getattr(tx, "gradient_transformation", None)
-    return as_transform() if callable(as_transform) else tx  # optax.MultiSteps
 
 
 def reiterable(loader: Any, name: str, *, passes: str) -> None:
@@ -391,36 +294,3 @@ def fit_module(module: Any, options: StepOptions) -> bool:
             "supported; accumulate inside training_step or use optax.MultiSteps"
         )
     return manual
-
-
-def _leaves_alone(transform: Any, tx: Any) -> bool:
-    """Whether a callback's ``transform_optimizer`` returns ``tx`` unchanged
-    (a `Rollback` that lowers no rate, say)."""
-    try:
-        return transform(tx) is tx
-    except Exception:
-        return False
-
-
-def fit_optimizer(
-    module: Any, manual: bool, options: StepOptions, callbacks: list[Any]
-) -> tuple[Any, Any]:
-    """The optimizer the train step uses: ``configure_optimizers``', behind the
-    Trainer's gradient clipping, transformed by callbacks that live in the
-    optimizer (EMA); and the plateau scheduler it asked for, with the name it
-    monitors (or ``None``)."""
-    tx, plateau = optimizer(module, manual=manual)
-    tx = options.with_clipping(tx)
-    for callback in callbacks:
-        transform = getattr(callback, "transform_optimizer", None)
-        if transform is not None:
-            if manual and not _leaves_alone(transform, tx):
-                raise ValueError(
-                    f"{type(callback).__name__} changes the optimizer, which manual "
-                    "optimization (training_step) does not support"
-                )
-            if not manual:
-                tx = transform(tx)
-    if options.loss_scaled:  # manual: one scale in front of every group's optimizer
-        tx = tx._replace(loss_scaled=True) if manual else with_loss_scale(tx)
-    return tx, plateau

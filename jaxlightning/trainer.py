@@ -22,12 +22,12 @@ from jaxlightning.data.datamodule import fit_loaders, is_datamodule, stage_loade
 from jaxlightning.loggers import Logger
 from jaxlightning.loop.args import TrainerArgs
 from jaxlightning.loop.eval_loop import eval_hook
-from jaxlightning.loop.held_state import NonFiniteLossError
 from jaxlightning.loop.wiring import wire
 from jaxlightning.module import JaxModule
 from jaxlightning.strategies import Strategy
+from jaxlightning.training.losses import NonFiniteLossError
 from jaxlightning.training.state import TrainState
-from jaxlightning.tuner.cost import StepCost
+from jaxlightning.xla.cost import StepCost
 
 __all__ = ["NonFiniteLossError", "Trainer", "TrainerArgs"]
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlightning.training.compiling import Precompiled, in_background
+from jaxlightning.xla.compiling import Precompiled, in_background
 
 
 def test_precompiled_runs_its_program_and_hands_other_types_to_jit(compiles):

@@ -79,7 +79,7 @@ def test_schedule_rules_without_jax():
 
 # ------------------------------------------------------- validation timing
 def test_progress_counts_updates_of_accumulated_micro_batches_without_jax():
-    from jaxlightning.loop.progress import Progress
+    from jaxlightning.progress import Progress
 
     p = Progress(accumulate=3)
     p.start_epoch(skip=0)

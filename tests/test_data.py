@@ -539,7 +539,7 @@ def test_a_report_loads_batches_ahead_while_the_steps_it_waits_for_run(
     during the wait; other steps load theirs when they come. An error loading
     a batch ahead is raised at that batch, after the report's batch hooks."""
     import jaxlightning as jl
-    from jaxlightning.loop.held_state import HeldState
+    from jaxlightning.programs.held_state import HeldState
     from tests.helpers import LitMLP, digits, init_mlp, quiet_trainer
 
     # the device's state at the report, fixed: the steps are done, or still run

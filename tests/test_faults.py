@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import jaxlightning as jl
 from jaxlightning import checks
-from jaxlightning.loop import compiled as startup_module
-from jaxlightning.training import compiling
+from jaxlightning.programs import compiled as startup_module
+from jaxlightning.xla import compiling
 from tests.helpers import (
     LitMLP,
     assert_bitwise_equal,
@@ -92,7 +92,7 @@ def test_rejected_xla_option_is_dropped_and_init_is_unchanged(monkeypatch, caplo
     x, y = digits(64)
     module = LitMLP()
     attempts = compiling.rejected_attempts()
-    with caplog.at_level(logging.DEBUG, logger="jaxlightning.training.compiling"):
+    with caplog.at_level(logging.DEBUG, logger="jaxlightning.xla.compiling"):
         quiet_trainer(max_steps=0, seed=3).fit(module, loader(x, y, 64))
         quiet_trainer(max_steps=0, seed=3).fit(LitMLP(), loader(x, y, 64))
     assert rejected in caplog.text

@@ -13,8 +13,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import jaxlightning as jl
-from jaxlightning.tuner import cost as cost_module
-from jaxlightning.tuner.cost import step_cost, uncounted_flops
+from jaxlightning.xla import cost as cost_module
+from jaxlightning.xla.cost import step_cost, uncounted_flops
 from tests.helpers import LitMLP, digits, load_example, loader, quiet_trainer
 
 gpt = load_example("gpt")

@@ -143,7 +143,7 @@ def test_the_top_level_holds_only_the_public_faces():
 # tests/test_step_cost.py): XLA's HLO parser and per-module cost analysis,
 # which no public JAX API offers, for the FLOPs of loop bodies.
 GUARDED_PRIVATE = {
-    "tuner/cost.py": {"jax._src.lib", "jax._src.lib._jax", "jaxlib", "jaxlib._hlo"},
+    "xla/cost.py": {"jax._src.lib", "jax._src.lib._jax", "jaxlib", "jaxlib._hlo"},
 }
 
 

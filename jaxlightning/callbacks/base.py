@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from jaxlightning.callbacks.view import TrainerView
@@ -45,10 +47,11 @@ class Callback:
     A stateful callback returns its state from `state_dict`; it is saved in
     checkpoints and handed back to `load_state_dict` when a run resumes.
 
-    Two optional methods let a callback work inside the compiled step (see
-    `EMA`): ``transform_optimizer(tx) -> tx`` is applied to the optimizer when
-    `fit` starts, and ``evaluation_variables(trainer, state) -> variables``
-    chooses the variables evaluation uses during `fit`.
+    Beyond the hooks, a callback may define the optional methods `Extensions`
+    lists (the optimizer it transforms, the variables evaluation uses, the
+    steps whose state it needs, its save on a stop signal, a `StateGuard`);
+    the Trainer collects them once per call and the loop asks no callback by
+    name.
     """
 
     def setup(self, trainer: TrainerView, module: JaxModule, stage: str) -> None: ...
@@ -120,3 +123,79 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores what `state_dict` returned, when a run resumes."""
+
+
+class StateGuard(Protocol):
+    """Watches the train state at each state point of a fit (a report, a
+    validation, a checkpoint a callback asked for, a stop signal's save, an
+    epoch's end) and may send it back to an earlier point (`jl.Rollback`)."""
+
+    def mark_good(self, reported_loss: float | None = None) -> None:
+        """The state now (after a report of ``reported_loss``) is good."""
+
+    def rolled_back(self, acc: Any) -> bool:
+        """Whether the fetched accumulators ``acc`` sent the state back."""
+
+    def checked(self) -> bool:
+        """Checks the state now (fetching what it needs); whether it went back."""
+
+
+Pairs = tuple[tuple[Callback, Callable[..., Any]], ...]  # (callback, its bound method)
+
+
+@dataclasses.dataclass(frozen=True)
+class Extensions:
+    """The optional methods of a call's callbacks, beyond the hooks, each as
+    ``(callback, bound method)`` pairs in callback order.
+
+    Attributes:
+        transform_optimizer: ``transform_optimizer(tx) -> tx``, applied to the
+            optimizer when `fit` starts (`EMA`, `StochasticWeightAveraging`,
+            `Rollback`'s rate scale).
+        evaluation_variables: ``evaluation_variables(trainer, state) ->
+            variables``, the variables an evaluation during `fit` uses (`EMA`).
+        wants_state_at: ``wants_state_at(step) -> bool``, whether the callback
+            acts on the state of exactly update ``step``: a dispatch of several
+            steps ends there (`ModelCheckpoint`'s ``every_n_train_steps``).
+        on_stop_signal: ``on_stop_signal(trainer, module) -> path | None``, a
+            resume point saved when SIGTERM/SIGINT stops the fit.
+        state_guard: ``state_guard(trainer) -> StateGuard``, built when training
+            starts and consulted at each state point (`Rollback`).
+        each_step: the callbacks whose train batch hooks need each step's own
+            state, batch or time (``needs_each_step()``; by default, any that
+            overrides ``on_train_batch_start``/``_end``): with them
+            ``steps_per_execution="auto"`` runs one step per dispatch.
+    """
+
+    transform_optimizer: Pairs = ()
+    evaluation_variables: Pairs = ()
+    wants_state_at: Pairs = ()
+    on_stop_signal: Pairs = ()
+    state_guard: Pairs = ()
+    each_step: tuple[Callback, ...] = ()
+
+    @classmethod
+    def of(cls, callbacks: Sequence[Callback]) -> Extensions:
+        """The extensions ``callbacks`` offer."""
+        found = {
+            f.name: tuple((c, m) for c in callbacks if (m := getattr(c, f.name, None)))
+            for f in dataclasses.fields(cls)
+            if f.name != "each_step"
+        }
+        return cls(**found, each_step=tuple(c for c in callbacks if needs_each_step(c)))
+
+
+_TRAIN_BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end")
+
+
+def needs_each_step(callback: Any) -> bool:
+    """Whether ``callback``'s train batch hooks must run right after their own
+    step: its ``needs_each_step()`` where it defines one, else whether it
+    overrides a train batch hook of `Callback` (a hook may read the state)."""
+    declared = getattr(callback, "needs_each_step", None)
+    if declared is not None:
+        return bool(declared())
+    return any(
+        getattr(type(callback), hook, None) is not getattr(Callback, hook)
+        for hook in _TRAIN_BATCH_HOOKS
+    )

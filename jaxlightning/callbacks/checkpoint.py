@@ -160,6 +160,11 @@ class ModelCheckpoint(Callback):
         n = self.every_n_train_steps
         return n >= 1 and step % n == 0
 
+    def needs_each_step(self) -> bool:
+        """Only a time interval reads each step's time (steps it saves after
+        end a dispatch of several steps: `wants_state_at`)."""
+        return self.train_time_interval is not None
+
     def on_stop_signal(self, trainer: TrainerView, module: JaxModule) -> str:
         """SIGTERM/SIGINT ends the fit: saves a resume point at this step and
         waits for it to be written; its path."""

@@ -17,7 +17,7 @@ from jaxlightning.cluster.rank_zero import rank_zero_info
 from jaxlightning.schedule import parse_max_time
 from jaxlightning.training import contract
 from jaxlightning.training.nnx import is_nnx
-from jaxlightning.tuner.cost import peak_flops
+from jaxlightning.xla.cost import peak_flops
 
 if TYPE_CHECKING:
     from jaxlightning.callbacks.view import TrainerView
@@ -243,7 +243,7 @@ class ThroughputMonitor(Callback):
 
     With XLA's count of the compiled train step (`Trainer.train_step_cost`) it
     also logs ``throughput/flops_per_sec`` (all devices) and, where the peak of
-    a device is known (``peak_flops``, else the table `jaxlightning.tuner.cost.PEAK_FLOPS`
+    a device is known (``peak_flops``, else the table `jaxlightning.xla.cost.PEAK_FLOPS`
     of dense bfloat16 peaks by device kind), ``throughput/mfu``: achieved over
     peak FLOP/s — no FLOPs to count by hand.
 

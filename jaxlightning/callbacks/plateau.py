@@ -5,48 +5,26 @@ Lightning's ``configure_optimizers`` may return::
     {"optimizer": optax.adam(1e-3),
      "lr_scheduler": {"scheduler": jl.ReduceLROnPlateau(patience=2), "monitor": "val_loss"}}
 
-The optimizer is then followed by `plateau_scale`, which multiplies every
-update by a scale kept in the optimizer state (a traced value: changing it
-recompiles nothing, and it is checkpointed with the state). After each training
-epoch the `PlateauStepper` callback feeds the monitored value to the
-scheduler, torch's ``ReduceLROnPlateau`` rule on the host, and writes the new
-scale into the train state. For optimizers whose update is proportional to the
-learning rate (SGD, Adam, AdamW, ...), scaling the update is lowering the rate.
+The optimizer is then followed by `jaxlightning.training.scales.scale_updates`,
+which multiplies every update by a scale kept in the optimizer state (a traced
+value: changing it recompiles nothing, and it is checkpointed with the state).
+After each training epoch the scheduler's `PlateauStepper` callback (added to
+the fit by the Trainer) feeds the monitored value to torch's
+``ReduceLROnPlateau`` rule on the host and writes the new scale into the train
+state through ``trainer.edit``, as `StochasticWeightAveraging` steers its own
+transformation. For optimizers whose update is proportional to the learning
+rate (SGD, Adam, AdamW, ...), scaling the update is lowering the rate.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxlightning.callbacks.base import Callback
-
-
-class PlateauScaleState(NamedTuple):
-    """The factor every update is multiplied by (1 until a plateau lowers it)."""
-
-    scale: jax.Array
-
-
-def plateau_scale(kind: type = PlateauScaleState) -> optax.GradientTransformation:
-    """Multiplies updates by the scale in its state, a ``kind`` (a NamedTuple
-    with one field, ``scale``, from 1: the host writes it; `PlateauScaleState`
-    here, `RollbackScaleState` for rollbacks)."""
-
-    def init(params: Any) -> Any:
-        del params
-        return kind(jnp.ones((), jnp.float32))
-
-    def update(updates: Any, state: Any, params: Any = None) -> Any:
-        del params
-        return jax.tree.map(lambda u: u * state.scale.astype(u.dtype), updates), state
-
-    return optax.GradientTransformation(init, update)
+from jaxlightning.training.scales import PlateauScaleState
 
 
 class ReduceLROnPlateau:
@@ -122,6 +100,10 @@ class ReduceLROnPlateau:
             self.cooldown_counter, self.num_bad_epochs = self.cooldown, 0
         return self.scale
 
+    def stepper(self, monitor: str) -> PlateauStepper:
+        """The callback that steps this scheduler in a fit, on ``monitor``."""
+        return PlateauStepper(self, monitor)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "scale": self.scale,
@@ -142,8 +124,9 @@ class PlateauStepper(Callback):
     value and writes its scale into the train state. Added by the Trainer for a
     fit whose ``configure_optimizers`` asked for one; its state is checkpointed."""
 
-    def __init__(self, scheduler: ReduceLROnPlateau, monitor: str, write: Any) -> None:
-        self.scheduler, self.monitor, self._write = scheduler, monitor, write
+    def __init__(self, scheduler: ReduceLROnPlateau, monitor: str) -> None:
+        self.scheduler = scheduler
+        self.monitor = monitor
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
         metrics = trainer.callback_metrics
@@ -155,7 +138,7 @@ class PlateauStepper(Callback):
             )
         before = self.scheduler.scale
         if self.scheduler.step(float(np.asarray(metrics[self.monitor]))) != before:
-            self._write(self.scheduler.scale)
+            trainer.edit.set_optimizer_state(PlateauScaleState, scale=self.scheduler.scale)
 
     def state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict()

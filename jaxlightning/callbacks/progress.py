@@ -83,6 +83,11 @@ class TQDMProgressBar(Callback):
         )
         self._shown = trainer.progress_bar_metrics
 
+    def needs_each_step(self) -> bool:
+        """The bar counts batches and shows reported values: it reads no step's
+        own state, so several steps may run per dispatch beneath it."""
+        return False
+
     def on_train_batch_end(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:
         if self._bar is not None:
             self._postfix(trainer, self._bar)

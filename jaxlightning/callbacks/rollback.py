@@ -11,29 +11,31 @@ training goes on: ``global_step`` counts good updates only, so step-keyed
 schedules and dropout keys continue from the restored step. A check is a sync
 the loop makes there anyway; no step pays for it.
 
-This module holds the host-side policy: the spike rule, the bound on retries,
-the events, and the transformation that lowers the rate. The loop's part is
-`jaxlightning.loop.rollback_guard.RollbackGuard`.
+This module holds the whole feature: the host-side policy (`Rollback`: the
+spike rule, the bound on retries, the events, the transformation that lowers
+the rate) and its `RollbackGuard`, the `StateGuard` the fit loop consults at
+each state point, which reaches the state only through ``trainer.edit``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 import optax
 
 from jaxlightning.callbacks.base import Callback
-from jaxlightning.callbacks.plateau import plateau_scale
+from jaxlightning.cluster import distributed
+from jaxlightning.metrics.logged import host_value
+from jaxlightning.training.losses import NonFiniteLossError
+from jaxlightning.training.scales import RollbackScaleState, scale_updates
+from jaxlightning.training.step import LOSS_MAX
 
+if TYPE_CHECKING:
+    from jaxlightning.callbacks.view import TrainerView
 
-class RollbackScaleState(NamedTuple):
-    """The factor every update is multiplied by (1 until a rollback lowers it)."""
-
-    scale: jax.Array
-
+ROLLBACKS = "train/rollbacks"
 
 class Rollback(Callback):
     """The policy of ``Trainer(on_nonfinite=Rollback(...))`` (``"rollback"``:
@@ -126,7 +128,11 @@ class Rollback(Callback):
     def transform_optimizer(self, tx: optax.GradientTransformation) -> Any:
         if self.lr_factor == 1.0:
             return tx
-        return optax.chain(tx, plateau_scale(RollbackScaleState))
+        return optax.chain(tx, scale_updates(RollbackScaleState))
+
+    def state_guard(self, trainer: TrainerView) -> RollbackGuard:
+        """The guard that applies this policy in a fit (see `StateGuard`)."""
+        return RollbackGuard(self, trainer)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -141,3 +147,95 @@ class Rollback(Callback):
         self.events = [dict(e) for e in state.get("events", [])]
         self.lr_scale = float(state.get("lr_scale", 1.0))
         self.retries = int(state.get("retries", 0))
+
+
+class RollbackGuard:
+    """Keeps the last good point of a fit and goes back to it.
+
+    The fit loop calls `checked` wherever it acts on the state (a report, a
+    validation or step-counted checkpoint, an epoch's end, a signal's save):
+    the accumulators it fetches there say whether a step since the last good
+    point had a non-finite loss or a spike; if so the state goes back,
+    otherwise the point becomes the last good one.
+
+    Args:
+        policy: the rule, the retries and the events.
+        trainer: the running fit's view; its ``edit`` keeps and restores points.
+    """
+
+    def __init__(self, policy: Rollback, trainer: TrainerView) -> None:
+        self.policy = policy
+        self.trainer = trainer
+        self._good: Any = None  # trainer.edit.save_point()
+        self._good_step = 0
+        self._trained_at_good = 0  # batches trained at the good point
+
+    def mark_good(self, reported_loss: float | None = None) -> None:
+        """The state now is good: keep a copy of it (``reported_loss``: the
+        mean loss a report just published, for the spike rule's history)."""
+        edit = self.trainer.edit
+        trained = edit.batches_trained()
+        if self._good is None or trained > self._trained_at_good:
+            self.policy.good(reported_loss)  # trained since: a rollback streak ends
+        self._good, self._good_step = edit.save_point(), self.trainer.global_step
+        self._trained_at_good = trained
+
+    def rolled_back(self, acc: Any) -> bool:
+        """Goes back to the last good point if the fetched accumulators ``acc``
+        show a bad step since it; whether it did."""
+        loss_max = host_value(acc.metrics[LOSS_MAX]) if LOSS_MAX in acc.metrics else None
+        bad = int(acc.first_nonfinite)
+        reason = self.policy.verdict(bad, loss_max)
+        if reason is None:
+            return False
+        if bad:
+            step, batch = self.trainer.edit.locate(bad)
+            reason += f" at step {step} (epoch {self.trainer.current_epoch}, batch {batch})"
+        self._go_back(reason)
+        return True
+
+    def checked(self) -> bool:
+        """Checks the state now (a sync): goes back if it is bad, else marks it
+        good; whether it went back."""
+        if self.rolled_back(self.trainer.edit.fetch_metrics()):
+            return True
+        self.mark_good()
+        return False
+
+    def _go_back(self, reason: str) -> None:
+        policy, edit = self.policy, self.trainer.edit
+        found, step = self.trainer.global_step, self._good_step
+        policy.retries += 1
+        if policy.retries > policy.max_retries:
+            raise NonFiniteLossError(
+                f"on_nonfinite='rollback': {reason}, found at step {found}, after "
+                f"{policy.max_retries} rollbacks in a row to step {step}; giving up. Earlier "
+                f"rollbacks: {policy.events[-policy.max_retries :]}. Lower the learning rate "
+                "(Rollback(lr_factor=...)), clip gradients or check the data"
+            )
+        epoch, batch = edit.go_back(self._good)
+        trained = edit.batches_trained()
+        skipped, self._trained_at_good = trained - self._trained_at_good, trained
+        if policy.lr_factor != 1.0:
+            policy.lr_scale *= policy.lr_factor
+            edit.set_optimizer_state(RollbackScaleState, scale=policy.lr_scale)
+        policy.events.append(
+            {
+                "step": found,
+                "to_step": step,
+                "reason": reason,
+                "batches_skipped": skipped,
+                "epoch": epoch,
+                "batch": batch,
+                "lr_scale": policy.lr_scale,
+            }
+        )
+        edit.publish(ROLLBACKS, float(len(policy.events)))
+        if distributed.is_rank_zero():
+            print(
+                f"Rollback: {reason} (found at step {found}); back to step {step}, the "
+                f"{skipped} batches since skipped"
+                + (f", learning rate x{policy.lr_scale:g}" if policy.lr_factor != 1.0 else "")
+                + f" (retry {policy.retries} of {policy.max_retries}).",
+                flush=True,
+            )

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from jaxlightning.module import JaxModule
     from jaxlightning.strategies import Strategy
     from jaxlightning.training.state import TrainState
-    from jaxlightning.tuner.cost import StepCost
+    from jaxlightning.xla.cost import StepCost
 
 
 class StateEdits(Protocol):
@@ -29,6 +29,35 @@ class StateEdits(Protocol):
     def recompute_batch_statistics(self) -> None:
         """During `fit`: the state's ``batch_stats`` recomputed over one pass of
         the training data (torch's ``update_bn``)."""
+        ...
+
+    def fetch_metrics(self) -> Any:
+        """The train step's metric accumulators on the host (a sync): the
+        interval's values, its largest step loss, its first non-finite step."""
+        ...
+
+    def save_point(self) -> Any:
+        """A copy of the train state, its accumulators and the step counters
+        now, on the devices, for `go_back`."""
+        ...
+
+    def go_back(self, point: Any) -> tuple[int, int]:
+        """Puts a `save_point` back: the state, the accumulators, ``global_step``
+        (the data reads on from where it is). Returns the epoch and the batch of
+        it training goes on at."""
+        ...
+
+    def batches_trained(self) -> int:
+        """Training batches of the fit so far (micro-batches counted one by one)."""
+        ...
+
+    def locate(self, batch_number: int) -> tuple[int, int]:
+        """``(global_step, batch of the epoch)`` of the device's 1-based
+        ``batch_number`` (a fetched accumulator's first non-finite step)."""
+        ...
+
+    def publish(self, name: str, value: float) -> None:
+        """Reports ``value`` under ``name`` to ``callback_metrics`` and the loggers."""
         ...
 
 

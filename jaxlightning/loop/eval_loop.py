@@ -12,15 +12,15 @@ import numpy as np
 
 from jaxlightning import checks
 from jaxlightning.data import Pipeline
-from jaxlightning.loop.compiled import batch_args
 from jaxlightning.loop.hooks import Hooks
-from jaxlightning.loop.program import Program
-from jaxlightning.loop.progress import Progress
-from jaxlightning.loop.report import Report, report
-from jaxlightning.loop.reporter import Reporter
 from jaxlightning.metrics.logged import LogOptions
 from jaxlightning.metrics.objects import Rows
 from jaxlightning.module import JaxModule
+from jaxlightning.programs.compiled import batch_args
+from jaxlightning.programs.program import Program
+from jaxlightning.progress import Progress
+from jaxlightning.reporting.report import Report, report
+from jaxlightning.reporting.reporter import Reporter
 from jaxlightning.training import contract
 from jaxlightning.training.step import Metrics, step_key
 
@@ -177,11 +177,10 @@ class EvalLoop:
 
     def _variables(self, module: JaxModule, first: Any, ckpt_path: Any) -> Any:
         checkpoint = None if ckpt_path is None else self.resolve_checkpoint(ckpt_path)
-        swaps = []
-        for callback in self.hooks.callbacks:  # EMA evaluates with its average
-            swap = getattr(callback, "evaluation_variables", None)
-            if swap is not None:
-                swaps.append(lambda state, swap=swap: swap(self.hooks.view, state))
+        swaps = [  # EMA evaluates with its average
+            lambda state, swap=swap: swap(self.hooks.view, state)
+            for _, swap in self.hooks.extensions.evaluation_variables
+        ]
         variables, fresh = self.program.eval_variables(module, first, checkpoint, swaps)
         if fresh:
             warnings.warn(

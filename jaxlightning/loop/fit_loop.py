@@ -11,14 +11,14 @@ from jaxlightning.data import Batches
 from jaxlightning.data.fit_data import FitData
 from jaxlightning.loop.eval_loop import EvalLoop
 from jaxlightning.loop.hooks import Hooks
-from jaxlightning.loop.program import Program
-from jaxlightning.loop.progress import Progress
-from jaxlightning.loop.report import report
-from jaxlightning.loop.reporter import Reporter
 from jaxlightning.loop.state_points import StatePoints
 from jaxlightning.loop.stop import StopPolicy
 from jaxlightning.loop.val_check import ValCheck
 from jaxlightning.module import JaxModule
+from jaxlightning.programs.program import Program
+from jaxlightning.progress import Progress
+from jaxlightning.reporting.report import report
+from jaxlightning.reporting.reporter import Reporter
 from jaxlightning.schedule import Schedule
 
 

@@ -16,27 +16,26 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from jaxlightning import checks
-from jaxlightning.callbacks.plateau import PlateauStepper
 from jaxlightning.cluster import slurm
 from jaxlightning.cluster.rank_zero import rank_zero_warn
 from jaxlightning.data.fit_data import FitData
 from jaxlightning.data.pipeline import Pipeline
 from jaxlightning.io.checkpoint import read_meta
 from jaxlightning.loop import resume
-from jaxlightning.loop.compiled import CompiledSteps, resident_bytes
 from jaxlightning.loop.eval_loop import EvalLoop
 from jaxlightning.loop.fit_loop import FitLoop
 from jaxlightning.loop.hooks import Hooks
-from jaxlightning.loop.program import Program
-from jaxlightning.loop.progress import Progress
-from jaxlightning.loop.reporter import Reporter
 from jaxlightning.loop.stages import Stages
 from jaxlightning.loop.stop import StopPolicy
 from jaxlightning.module import JaxModule
+from jaxlightning.programs.compiled import CompiledSteps, resident_bytes
+from jaxlightning.programs.program import Program
+from jaxlightning.progress import Progress
+from jaxlightning.reporting.reporter import Reporter
 from jaxlightning.schedule import Schedule
-from jaxlightning.training import contract
-from jaxlightning.tuner.cost import StepCost
-from jaxlightning.tuner.memory import DatasetDoesNotFit, MemoryBudget
+from jaxlightning.training import assembly, contract
+from jaxlightning.xla.cost import StepCost
+from jaxlightning.xla.memory import DatasetDoesNotFit, MemoryBudget
 
 
 class FitRun:
@@ -72,6 +71,7 @@ class FitRun:
         self.default_epochs = default_epochs
         self.epoch_batches: tuple[int | None] | None = None  # the last fit's, once known
         self.data: FitData | None = None  # while a fit runs
+        self._stepper: Any = None  # the plateau scheduler's callback this fit added
 
     def run(self, module: JaxModule, train: Any, val: Any, ckpt_path: Any) -> None:
         """Trains ``module`` on ``train`` (validating on ``val``), from ``ckpt_path``."""
@@ -131,12 +131,18 @@ class FitRun:
         return None
 
     def _optimizer(self, module: JaxModule, manual: bool) -> Any:
-        """The module's optimizer; a ReduceLROnPlateau it configures steps this fit."""
+        """The module's optimizer; a ReduceLROnPlateau it configures steps this
+        fit (its stepper replaces the one an earlier fit added)."""
         callbacks = self.hooks.callbacks
-        tx, plateau = checks.fit_optimizer(module, manual, self.program.options, callbacks)
-        callbacks[:] = [c for c in callbacks if not isinstance(c, PlateauStepper)]
+        transforms = self.hooks.extensions.transform_optimizer
+        tx, plateau = assembly.fit_optimizer(module, manual, self.program.options, transforms)
+        if self._stepper in callbacks:
+            callbacks.remove(self._stepper)
+        self._stepper = None
         if plateau is not None:
-            callbacks.append(PlateauStepper(*plateau, self.program.held.set_plateau_scale))
+            scheduler, monitor = plateau
+            self._stepper = scheduler.stepper(monitor)
+            callbacks.append(self._stepper)
         return tx
 
     def _checkpoint(self, ckpt_path: Any) -> str | None:
@@ -203,7 +209,8 @@ class FitRun:
         example = data.example()
         options = self.program.options
         manual = checks.fit_module(module, options)
-        tx, _ = checks.fit_optimizer(module, manual, options, self.hooks.callbacks)
+        transforms = self.hooks.extensions.transform_optimizer
+        tx, _ = assembly.fit_optimizer(module, manual, options, transforms)
         yield Sizing(self.program.steps, module, tx, example)
 
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxlightning.callbacks import Callback, EarlyStopping, ModelCheckpoint, TQDMProgressBar
+from jaxlightning.callbacks.base import Extensions
 from jaxlightning.module import JaxModule
 from jaxlightning.training import contract
 
@@ -57,6 +58,17 @@ class Hooks:
     def __init__(self, callbacks: Sequence[Callback], view: Any) -> None:
         self.callbacks = callbacks
         self.view = view
+        self._extensions: tuple[tuple[int, ...], Extensions] | None = None
+
+    @property
+    def extensions(self) -> Extensions:
+        """The callbacks' optional methods, collected once for a list of
+        callbacks (again when it changes: a fit's ``configure_callbacks``, a
+        plateau scheduler's stepper)."""
+        key = tuple(map(id, self.callbacks))
+        if self._extensions is None or self._extensions[0] != key:
+            self._extensions = (key, Extensions.of(self.callbacks))
+        return self._extensions[1]
 
     def __call__(self, hook: str, module: JaxModule, *args: Any) -> Any:
         """The callbacks' ``hook``, in order, then the module's (Lightning's order);

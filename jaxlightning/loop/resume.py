@@ -16,8 +16,8 @@ from jaxlightning.io.checkpoint import find_last, json_safe, read_meta, restore_
 from jaxlightning.loggers import Logger
 from jaxlightning.loggers.base import VersionedLogger
 from jaxlightning.loop.hooks import Hooks
-from jaxlightning.loop.progress import Progress
 from jaxlightning.module import JaxModule
+from jaxlightning.progress import Progress
 from jaxlightning.schedule import Schedule
 
 

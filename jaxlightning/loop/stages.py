@@ -13,8 +13,8 @@ from jaxlightning.data.prefetch import torch_threads
 from jaxlightning.loop import signals
 from jaxlightning.loop.collector import frozen_after_full_collection
 from jaxlightning.loop.hooks import Hooks
-from jaxlightning.loop.reporter import Reporter
 from jaxlightning.module import JaxModule
+from jaxlightning.reporting.reporter import Reporter
 from jaxlightning.strategies import Strategy
 from jaxlightning.training import contract
 

@@ -3,63 +3,46 @@
 The fit loop announces each *state point* through one `StatePoints`: the
 start of training, a report (a logging interval's or an epoch's last), a use
 of the state (a validation, a checkpoint a callback asked for, a stop
-signal's save) and the stop signal itself. Features subscribe here instead
-of adding branches to the loop:
+signal's save) and the stop signal itself. Features subscribe here, through
+the callbacks' `Extensions`, instead of adding branches to the loop:
 
-- a callback with ``wants_state_at(step) -> bool`` gets the state of exactly
-  that update: a dispatch of several steps ends there (`ModelCheckpoint`'s
-  ``every_n_train_steps``);
-- a callback with ``on_stop_signal(trainer, module) -> str | None`` saves a
-  resume point when SIGTERM/SIGINT stops the fit (`ModelCheckpoint`);
-- a `StateGuard` checks the state at every point and may send it back
-  (`RollbackGuard`, ``on_nonfinite="rollback"``).
+- ``wants_state_at(step)``: a dispatch of several steps ends at that update
+  (`ModelCheckpoint`'s ``every_n_train_steps``);
+- ``on_stop_signal(trainer, module)``: a resume point saved when
+  SIGTERM/SIGINT stops the fit (`ModelCheckpoint`);
+- ``state_guard(trainer)``: a `StateGuard` built when training starts, which
+  checks the state at every point and may send it back (`jl.Rollback`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
+from jaxlightning.callbacks.base import StateGuard
 from jaxlightning.loop.hooks import Hooks
-
-
-class StateGuard(Protocol):
-    """Watches the state at each point; may send it back to an earlier one."""
-
-    def mark_good(self, reported_loss: float | None = None) -> None:
-        """The state now (after a report of ``reported_loss``) is good."""
-
-    def rolled_back(self, acc: Any) -> bool:
-        """Whether the fetched accumulators ``acc`` sent the state back."""
-
-    def checked(self) -> bool:
-        """Checks the state now (fetching what it needs); whether it went back."""
 
 
 class StatePoints:
     """The fit loop's state points and their subscribers.
 
     Args:
-        hooks: the callbacks (those with ``wants_state_at`` or
-            ``on_stop_signal`` subscribe) and the view they receive.
-        guards: `StateGuard` s, in order.
+        hooks: the callbacks (their `Extensions` subscribe) and the view they
+            receive.
     """
 
-    def __init__(self, hooks: Hooks, guards: Sequence[StateGuard] = ()) -> None:
+    def __init__(self, hooks: Hooks) -> None:
         self.hooks = hooks
-        self.guards = list(guards)
+        self.guards: list[StateGuard] = []
 
     def wants_state_at(self, step: int) -> bool:
         """Whether a subscriber acts on the state after update ``step`` (a
         dispatch of several steps then ends there)."""
-        for callback in self.hooks.callbacks:
-            wants = getattr(callback, "wants_state_at", None)
-            if wants is not None and wants(step):
-                return True
-        return False
+        return any(wants(step) for _, wants in self.hooks.extensions.wants_state_at)
 
     def start(self) -> None:
-        """Training starts from the state as it is."""
+        """Training starts from the state as it is: the guards are built here."""
+        view = self.hooks.view
+        self.guards = [make(view) for _, make in self.hooks.extensions.state_guard]
         for guard in self.guards:
             guard.mark_good()
 
@@ -83,10 +66,8 @@ class StatePoints:
         subscriber saves its resume point; the paths saved."""
         self.before_use()
         paths = []
-        for callback in self.hooks.callbacks:
-            save = getattr(callback, "on_stop_signal", None)
-            if save is not None:
-                path = save(self.hooks.view, module)
-                if path is not None:
-                    paths.append(path)
+        for _, save in self.hooks.extensions.on_stop_signal:
+            path = save(self.hooks.view, module)
+            if path is not None:
+                paths.append(path)
         return paths

@@ -17,8 +17,8 @@ from typing import NoReturn
 
 from jaxlightning.cluster import distributed, slurm
 from jaxlightning.cluster.rank_zero import rank_zero_info
-from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.signals import StopRequest
+from jaxlightning.progress import Progress
 from jaxlightning.schedule import Schedule
 
 

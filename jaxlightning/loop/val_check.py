@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 from jaxlightning.cluster import distributed
-from jaxlightning.loop.progress import Progress
 from jaxlightning.loop.stop import StopPolicy
+from jaxlightning.progress import Progress
 from jaxlightning.schedule import Schedule
 
 

@@ -26,18 +26,17 @@ from jaxlightning.loop.eval_loop import EvalLoop, as_list
 from jaxlightning.loop.fit_loop import FitLoop
 from jaxlightning.loop.fit_run import FitRun
 from jaxlightning.loop.hooks import Hooks
-from jaxlightning.loop.program import Program
-from jaxlightning.loop.progress import Progress
-from jaxlightning.loop.reporter import Reporter, as_loggers
-from jaxlightning.loop.rollback_guard import RollbackGuard
 from jaxlightning.loop.stages import Stages
 from jaxlightning.loop.state_points import StatePoints
 from jaxlightning.loop.stop import StopPolicy
+from jaxlightning.programs.program import Program
+from jaxlightning.progress import Progress
+from jaxlightning.reporting.reporter import Reporter, as_loggers
 from jaxlightning.schedule import Schedule, parse_max_time
 from jaxlightning.seed import default_seed
 from jaxlightning.strategies import Strategy, resolve_devices, resolve_strategy
-from jaxlightning.training import compile_cache
 from jaxlightning.training.precision import resolve as precision_setting
+from jaxlightning.xla import compile_cache
 
 _STAGES = ("train", "val", "test", "predict")  # of the limit_<stage>_batches arguments
 
@@ -95,6 +94,9 @@ def wire(view: Any, args: TrainerArgs) -> Parts:
     seed = args.seed
     seed = checks.int_arg("seed", default_seed() if seed is None else seed, minimum=0)
     on_nonfinite = args.on_nonfinite
+    rollback = on_nonfinite if isinstance(on_nonfinite, Rollback) else None
+    if rollback is not None or on_nonfinite == "rollback":
+        rollback, on_nonfinite = rollback or Rollback(), "rollback"
     options = checks.step_options(
         args.gradient_clip_val,
         args.gradient_clip_algorithm,
@@ -112,9 +114,6 @@ def wire(view: Any, args: TrainerArgs) -> Parts:
     steps_per_execution = checks.steps_per_execution(args.steps_per_execution, strategy)
     if logger is True:
         logger = TensorBoardLogger(default_root_dir)
-    rollback = on_nonfinite if isinstance(on_nonfinite, Rollback) else None
-    if on_nonfinite == "rollback":
-        rollback = Rollback()
     callbacks = with_defaults(
         as_list(callbacks) + ([rollback] if rollback is not None else []),
         checkpointing=checkpointing,
@@ -155,9 +154,7 @@ def wire(view: Any, args: TrainerArgs) -> Parts:
         program=program, evaluation=evaluation, hooks=hooks, reporter=reporter, stop=stop,
         progress=progress, schedule=schedule,
         log_every_n_steps=log_every, num_sanity_val_steps=sanity,
-        points=StatePoints(
-            hooks, [RollbackGuard(rollback, program.held, progress, reporter)] if rollback else []
-        ),
+        points=StatePoints(hooks),
     )  # fmt: skip
     stages = Stages(view, hooks, reporter, strategy)
     fit = FitRun(
@@ -180,6 +177,6 @@ def wire(view: Any, args: TrainerArgs) -> Parts:
         evaluation=evaluation,
         stages=stages,
         fit=fit,
-        editor=StateEditor(program.held, fit),
+        editor=StateEditor(program.held, progress, reporter, fit),
         resolve_ckpt_path=resolve_ckpt_path,
     )

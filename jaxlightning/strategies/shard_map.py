@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlightning.strategies.base import Strategy
-from jaxlightning.training.compiling import Precompiled
+from jaxlightning.xla.compiling import Precompiled
 
 
 def spec(sharded: bool, axis: str) -> P:

@@ -14,6 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or infinite."""
+
+
 def split_loss_output(out: Any, model_state: Mapping[str, Any]) -> tuple[Any, dict]:
     """``(loss, updates)`` of what a loss hook returned: the loss, Lightning's
     ``{"loss": loss}``, or ``(loss, updates)`` with mutated collections."""

@@ -1,2 +1,3 @@
-"""Finding settings before a fit: the Tuner (batch size, learning rate)
-and the compiled step's cost (FLOPs, bytes, memory) it reads."""
+"""The Tuner: finding a batch size that fits (``scale_batch_size``) and a
+learning rate (``lr_find``) with trial fits. Above the Trainer, which it uses;
+only the package's public face and the CLI import it."""

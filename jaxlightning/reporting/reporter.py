@@ -9,10 +9,10 @@ from typing import Any
 
 from jaxlightning.loggers import Logger
 from jaxlightning.loggers.base import VersionedLogger, finalize_all
-from jaxlightning.loop.batch_logs import HOOKS as BATCH_HOOKS
-from jaxlightning.loop.batch_logs import BatchLogs
-from jaxlightning.loop.progress import Progress
-from jaxlightning.loop.report import Report
+from jaxlightning.progress import Progress
+from jaxlightning.reporting.batch_logs import HOOKS as BATCH_HOOKS
+from jaxlightning.reporting.batch_logs import BatchLogs
+from jaxlightning.reporting.report import Report
 
 
 def as_loggers(logger: Any) -> list[Logger]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxlightning.loop.report import Report
+from jaxlightning.reporting.report import Report
 
 HOOKS = frozenset({"on_train_batch_start", "on_train_batch_end"})
 

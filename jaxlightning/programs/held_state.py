@@ -15,15 +15,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxlightning.callbacks.plateau import PlateauScaleState
-from jaxlightning.loop.progress import Progress
+from jaxlightning.progress import Progress
 from jaxlightning.strategies import Strategy
+from jaxlightning.training.losses import NonFiniteLossError
 from jaxlightning.training.state import TrainState
 from jaxlightning.training.step import TrainMetrics
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The training loss became NaN or infinite."""
 
 
 class HeldState:
@@ -191,11 +187,6 @@ class HeldState:
         if not found:
             raise RuntimeError(f"the optimizer state holds no {kind.__name__}")
         self._state = state.replace(opt_state=opt_state)
-
-    def set_plateau_scale(self, value: float) -> None:
-        """Writes ``value`` as the train state's plateau scale (`plateau_scale`'s
-        state): the next step multiplies its update by it, no recompile."""
-        self.set_optimizer_state(PlateauScaleState, scale=value)
 
     def set_batch_stats(self, means: Any) -> None:
         """Replaces the state's ``batch_stats`` by host ``means`` (each placed as

@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 
-from jaxlightning.tuner.cost import StepCost
+from jaxlightning.xla.cost import StepCost
 
 
 class MemoryBudgetError(RuntimeError):

@@ -24,16 +24,16 @@ import optax
 from jaxlightning.data import DeviceBatch
 from jaxlightning.data.resident import ResidentBatch
 from jaxlightning.io.checkpoint import restore, restore_variables
-from jaxlightning.loop.compiled import CompiledSteps, batch_shapes, zeros_like_local
-from jaxlightning.loop.held_state import HeldState
-from jaxlightning.loop.progress import Progress
 from jaxlightning.module import JaxModule
+from jaxlightning.programs.compiled import CompiledSteps, batch_shapes, zeros_like_local
+from jaxlightning.programs.held_state import HeldState
+from jaxlightning.progress import Progress
 from jaxlightning.strategies import Strategy
-from jaxlightning.training.compiling import Precompiled, join_quietly
 from jaxlightning.training.state import TrainState
 from jaxlightning.training.step import Options, StepOptions
-from jaxlightning.tuner import memory
-from jaxlightning.tuner.cost import StepCost, step_cost
+from jaxlightning.xla import memory
+from jaxlightning.xla.compiling import Precompiled, join_quietly
+from jaxlightning.xla.cost import StepCost, step_cost
 
 
 class Program:

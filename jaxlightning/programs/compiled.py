@@ -21,11 +21,10 @@ import optax
 from jaxlightning.data import DeviceBatch
 from jaxlightning.data.convert import Rows
 from jaxlightning.data.resident import ResidentBatch
-from jaxlightning.loop.multistep import host_steps, resident_eval, resident_step, resident_steps
 from jaxlightning.module import JaxModule
+from jaxlightning.programs.multistep import host_steps, resident_eval, resident_step, resident_steps
 from jaxlightning.strategies import FSDPStrategy, ShardMapStrategy, Strategy
 from jaxlightning.training import contract
-from jaxlightning.training.compiling import Background, compile_with_options, in_background
 from jaxlightning.training.precision import for_storage
 from jaxlightning.training.state import create_train_state
 from jaxlightning.training.step import (
@@ -43,8 +42,9 @@ from jaxlightning.training.step import (
     zero_eval_metrics,
     zero_train_metrics,
 )
-from jaxlightning.tuner import memory
-from jaxlightning.tuner.cost import StepCost, cost_of
+from jaxlightning.xla import memory
+from jaxlightning.xla.compiling import Background, compile_with_options, in_background
+from jaxlightning.xla.cost import StepCost, cost_of
 
 # For programs that run once (the initial state): XLA's optimisation level 1
 # and, on CPU, its older fusion emitters compile the random initialisers of an
