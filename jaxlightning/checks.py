@@ -13,8 +13,10 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from jaxlightning.module import JaxModule
 from jaxlightning.strategies.shard_map import ShardMapStrategy
 from jaxlightning.training import contract
+from jaxlightning.training.nnx import is_nnx
 from jaxlightning.training.step import StepOptions
 
 
@@ -27,9 +29,11 @@ def int_arg(name: str, value: Any, *, minimum: int, hint: str = "") -> int:
     return value
 
 
-def steps_per_execution(value: Any, strategy: Any) -> int:
-    """``steps_per_execution``, checked against the strategy."""
-    k = int_arg("steps_per_execution", value, minimum=1)
+def steps_per_execution(value: Any, strategy: Any) -> int | str:
+    """``steps_per_execution``, checked against the strategy (``"auto"``: as it is)."""
+    if isinstance(value, str) and value == "auto":
+        return value
+    k = int_arg("steps_per_execution", value, minimum=1, hint=' or "auto"')
     if k == 1:
         return k
     if not isinstance(strategy, ShardMapStrategy):
@@ -195,8 +199,6 @@ def batch_hook_signatures(module: Any) -> None:
 
 def _jax_module(module: Any) -> None:
     """Refuses a module that is no `JaxModule` or skipped ``super().__init__()``."""
-    from jaxlightning.module import JaxModule
-
     if not isinstance(module, JaxModule):
         raise TypeError(f"expected a jaxlightning.JaxModule, got {type(module).__name__}")
     if not hasattr(module, "_log_sink"):
@@ -247,12 +249,10 @@ def nnx_model(module: Any) -> None:
     """Refuses an NNX model the Trainer would not find (held elsewhere than
     ``self.model``, without a ``setup``), and the linen signature of `loss` on a
     module that trains an NNX model."""
-    from jaxlightning.training.nnx import is_nnx
-
     cls = type(module)
     if contract.nnx_model(module) is not None:
         args = _required_args(cls.loss)
-        if cls._overrides("loss") and len(args) > 2:
+        if contract.overrides(cls, "loss") and len(args) > 2:
             raise TypeError(
                 f"{cls.__name__}.loss(self, {', '.join(args)}) has linen's signature, but "
                 f"{cls.__name__} trains the NNX model self.model: here it is "
@@ -261,7 +261,7 @@ def nnx_model(module: Any) -> None:
                 "call it as model(x), without variables or rngs"
             )
         return
-    if cls._overrides(cls._init_hook()):
+    if contract.overrides(cls, contract.init_hook(cls)):
         return
     held = [name for name, value in vars(module).items() if is_nnx(value)]
     if held:

@@ -11,9 +11,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
+from jaxlightning.io.checkpoint import read_meta, restore_variables
+from jaxlightning.io.export import export_predict
 from jaxlightning.metrics.logged import REDUCTIONS, LogOptions
 from jaxlightning.metrics.objects import MetricObject
 
@@ -451,11 +455,11 @@ class JaxModule:
     # ------------------------------------------------ calling traced hooks
     def _nnx_model(self) -> Any:
         """The NNX model to train (``self.model``), when this module uses one."""
-        from jaxlightning.training.nnx import is_nnx
-
         model = getattr(self, "model", None)
         cls = type(self)
-        return model if is_nnx(model) and not cls._overrides(cls._init_hook()) else None
+        if isinstance(model, nnx.Module) and not cls._overrides(cls._init_hook()):
+            return model
+        return None
 
     def _streams(self) -> tuple[str, ...]:
         return self._nnx.streams if self._nnx is not None else self.rng_streams
@@ -574,6 +578,25 @@ class JaxModule:
         hook = self._hook if self._log_sink is not None else self._host_hook
         host = self._log_sink is None and self._trainer is not None
         _check_loggable(name, value, hook, add_dataloader_idx, reduce_fx=reduce_fx, host=host)
+        if not self._log_allowed(name, hook, logger):
+            return
+        logger = True if logger is None else bool(logger)
+        if self._log_sink is None:
+            self._log_on_host(name, value, on_step, on_epoch, prog_bar, logger)
+        else:
+            self._log_traced(
+                name, value, on_step, on_epoch, prog_bar, logger, reduce_fx, add_dataloader_idx
+            )
+
+    def _log_allowed(self, name: str, hook: str, logger: bool | None) -> bool:
+        """Whether a `log` call made in ``hook`` records anything.
+
+        Raises where Lightning refuses ``self.log``; without a Trainer it warns and
+        says no (nothing would receive the value). ``logger=True`` with a Trainer
+        that has no logger warns but still records (``callback_metrics`` has it).
+        The warnings' ``stacklevel`` is 3 so that they point at the line calling
+        `log`, not at this helper.
+        """
         if hook in NO_LOG_HOOKS:
             raise RuntimeError(
                 f"self.log({name!r}, ...) in {hook}(): Lightning does not allow logging "
@@ -585,38 +608,62 @@ class JaxModule:
                 f"self.log({name!r}, ...) was called but the module is not attached to a "
                 "Trainer (it is not running in trainer.fit/validate/test): nothing is logged",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-            return
+            return False
         if logger and self._trainer is not None and not self._trainer.loggers:
             warnings.warn(
                 f"self.log({name!r}, ..., logger=True) but the Trainer has no logger; "
                 "enable one with Trainer(logger=...) to record it",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        logger = True if logger is None else bool(logger)
-        if self._log_sink is None:
-            if self._host_log is None:
-                raise RuntimeError(
-                    f"self.log({name!r}, ...) was called outside the Trainer's control flow; "
-                    "call it in a traced hook (loss, eval_step) or a module hook"
-                )
-            if on_step is False and on_epoch is False:  # as in a traced hook, and Lightning
-                raise ValueError(
-                    f"self.log({name!r}, ..., on_step=False, on_epoch=False) would report "
-                    "nothing; set one of them"
-                )
-            self._host_log(
-                name,
-                value,
-                prog_bar=prog_bar,
-                logger=logger,
-                hook=self._host_hook,
-                on_step=on_step,
-                on_epoch=on_epoch,
+        return True
+
+    def _log_on_host(
+        self,
+        name: str,
+        value: Any,
+        on_step: bool | None,
+        on_epoch: bool | None,
+        prog_bar: bool,
+        logger: bool,
+    ) -> None:
+        """`log` from a host-side hook: handed to the Trainer at once (it applies
+        Lightning's rules for the hook running)."""
+        if self._host_log is None:
+            raise RuntimeError(
+                f"self.log({name!r}, ...) was called outside the Trainer's control flow; "
+                "call it in a traced hook (loss, eval_step) or a module hook"
             )
-            return
+        if on_step is False and on_epoch is False:  # as in a traced hook, and Lightning
+            raise ValueError(
+                f"self.log({name!r}, ..., on_step=False, on_epoch=False) would report "
+                "nothing; set one of them"
+            )
+        self._host_log(
+            name,
+            value,
+            prog_bar=prog_bar,
+            logger=logger,
+            hook=self._host_hook,
+            on_step=on_step,
+            on_epoch=on_epoch,
+        )
+
+    def _log_traced(
+        self,
+        name: str,
+        value: Any,
+        on_step: bool | None,
+        on_epoch: bool | None,
+        prog_bar: bool,
+        logger: bool,
+        reduce_fx: str,
+        add_dataloader_idx: bool,
+    ) -> None:
+        """`log` from a traced hook: the value and its `LogOptions` go to the
+        sink of the step being traced (`_collect_logs`)."""
         if name in self._log_sink:
             raise ValueError(f"self.log({name!r}, ...) was called twice in one step")
         if self._hook in _TRAINING_HOOKS and name in _TRAINER_NAMES:
@@ -732,10 +779,19 @@ class JaxModule:
         Returns:
             The path written.
         """
-        from jaxlightning.io.export import export_predict
+        def predict(variables: Any, batch: Any) -> Any:
+            n = jax.tree.leaves(batch)[0].shape[0]
+            with self._collect_logs("predict_step", jnp.ones((n,), bool)):
+                return self._call_eval("predict_step", variables, batch)
 
+        variables = self._current_variables()
         return export_predict(
-            self, path, example_batch, platforms=platforms, any_batch_size=any_batch_size
+            predict,
+            variables,
+            path,
+            example_batch,
+            platforms=platforms,
+            any_batch_size=any_batch_size,
         )
 
     @classmethod
@@ -751,8 +807,6 @@ class JaxModule:
             ``cls(**hparams)`` with ``variables`` set, ready for
             ``trainer.validate``, ``test`` or ``predict``.
         """
-        from jaxlightning.io.checkpoint import read_meta, restore_variables
-
         hparams = dict(read_meta(path).get("hparams", {}))
         hparams.update(overrides)
         opaque = sorted(k for k, v in hparams.items() if isinstance(v, dict) and "__repr__" in v)

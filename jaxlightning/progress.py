@@ -38,8 +38,8 @@ class Progress:
             ``position`` (grain's), what a checkpoint saves to resume it from;
             ``None`` at an epoch's start and for the Trainer's own orders.
         steps_ahead: how many train steps the device state is ahead of the
-            batch whose hooks run (``steps_per_execution``: a dispatch runs
-            several batches, whose hooks then run one by one after it).
+            batch whose hooks run (a dispatch of several batches runs their
+            hooks one by one after it).
         batch_idx: the epoch's batch whose hooks run.
         last_batch_idx: the epoch's last batch (``None``: unknown, a loader
             without a length).

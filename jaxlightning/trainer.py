@@ -86,7 +86,7 @@ class Trainer:
         on_nonfinite: str | Rollback = "raise",
         use_distributed_sampler: bool = True,
         data_on_device: bool | str = "auto",
-        steps_per_execution: int = 1,
+        steps_per_execution: int | str = "auto",
         num_nodes: int | None = None,
         compilation_cache_dir: str | os.PathLike[str] | None = None,
         enable_model_summary: bool = True,
@@ -103,6 +103,7 @@ class Trainer:
         self._progress, self._reporter, self._stop = parts.progress, parts.reporter, parts.stop
         self._hooks, self._pipeline, self._program = parts.hooks, parts.pipeline, parts.program
         self._stages, self._fit, self._fit_loop = parts.stages, parts.fit, parts.fit.fit_loop
+        self._groups = parts.fit.fit_loop.groups
         self._evaluation, self._resolve_ckpt_path = parts.evaluation, parts.resolve_ckpt_path
         self._lightning_module: JaxModule | None = None  # the module fit last
         self.edit = parts.editor  # what callbacks may change in a running fit's state
@@ -132,6 +133,7 @@ class Trainer:
         "_pipeline", "data_path", 'The last fit\'s batches: "device", "host" (None: none yet).'
     )
     seed = _read("_program", "seed", "The run's seed.")
+    steps_per_dispatch = _read("_groups", "size", "Train steps the last fit ran per dispatch.")
     log_every_n_steps = _read("_fit_loop", "log_every_n_steps", "The logging interval.")
     max_epochs = _read("schedule", "max_epochs", "The epoch limit (``None``: none).")
     max_steps = _read("schedule", "max_steps", "The step limit (-1: none).")

@@ -17,6 +17,8 @@ from jaxlightning.callbacks.progress import TQDMProgressBar as TQDMProgressBar
 from jaxlightning.callbacks.swa import StochasticWeightAveraging as StochasticWeightAveraging
 from jaxlightning.callbacks.view import StateEdits as StateEdits
 from jaxlightning.callbacks.view import TrainerView as TrainerView
+from jaxlightning.cluster import distributed
+from jaxlightning.cluster.rank_zero import rank_zero_info
 
 
 def with_defaults(
@@ -33,9 +35,6 @@ def with_defaults(
     (first), a `JaxProfiler` for ``profiler="jax"``, and a `Timer` for
     ``max_time`` (seconds; one among ``callbacks`` is kept, as in Lightning).
     Refuses a `ModelCheckpoint` when ``checkpointing`` is off (`check_checkpointing`)."""
-    from jaxlightning.cluster import distributed
-    from jaxlightning.cluster.rank_zero import rank_zero_info
-
     def has(kind: type) -> bool:
         return any(isinstance(c, kind) for c in callbacks)
 

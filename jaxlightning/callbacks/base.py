@@ -164,7 +164,7 @@ class Extensions:
         each_step: the callbacks whose train batch hooks need each step's own
             state, batch or time (``needs_each_step()``; by default, any that
             overrides ``on_train_batch_start``/``_end``): with them
-            ``steps_per_execution="auto"`` runs one step per dispatch.
+            a fit that may choose runs one step per dispatch.
     """
 
     transform_optimizer: Pairs = ()

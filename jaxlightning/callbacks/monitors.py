@@ -92,10 +92,13 @@ def _data_path(trainer: TrainerView) -> str:
     """Which data path the fit's training batches take, or ``""``."""
     path = getattr(trainer, "data_path", None)
     if path == "device":
-        return "\nData: on the devices (each step's rows gathered there)"
-    if path == "host":
-        return "\nData: from the host (loaded, converted and copied each step)"
-    return ""
+        text = "\nData: on the devices (each step's rows gathered there)"
+    elif path == "host":
+        text = "\nData: from the host (loaded, converted and copied each step)"
+    else:
+        return ""
+    steps = getattr(trainer, "steps_per_dispatch", 1)
+    return text + f"; {steps} train step{'s' if steps > 1 else ''} per dispatch"
 
 
 def _key_name(key: Any) -> str:

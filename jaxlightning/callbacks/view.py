@@ -96,7 +96,11 @@ class TrainerView(Protocol):
     @property
     def steps_ahead(self) -> int:
         """Train steps the device state is ahead of this batch hook's batch
-        (0 unless ``steps_per_execution`` runs several batches per dispatch)."""
+        (0 unless a dispatch runs several batches: `steps_per_dispatch`)."""
+
+    @property
+    def steps_per_dispatch(self) -> int:
+        """Train steps a dispatch of this fit runs at most (1: one per batch)."""
 
     @property
     def is_last_batch(self) -> bool:

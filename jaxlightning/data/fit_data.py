@@ -2,10 +2,12 @@
 starts in it, and each epoch's batches handed out in groups.
 
 `FitData` is built once per fit. The count of batches per epoch is computed
-here once; a checkpoint's position is carried into this run's batches (another
-process count or batch size, a grain loader's iterator state re-laid out by
-`regrain`); the fit loop asks for an epoch's batches and iterates them in the
-groups it dispatches, cut where its ``ends`` rule says the host needs the state.
+here once; it owns where the fit starts (a checkpoint's position carried into
+this run's batches: another process count or batch size, a grain loader's
+iterator state re-laid out by `regrain`), opens the first epoch ahead (its
+first batch gives the shapes to compile for), and hands the fit loop each
+epoch's batches with the batch they start at, to iterate in the groups it
+dispatches, cut where its ``ends`` rule says the host needs the state.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class FitData:
         self.pipeline = pipeline
         self.loader = loader
         self.per_epoch: int | None = pipeline.train_batches_per_epoch(loader)
+        self.skip = 0  # the batch of its first epoch the fit starts at
+        self._opened: tuple[int, Batches] | None = None  # the first epoch, opened ahead
 
     @property
     def trains(self) -> bool:
@@ -66,11 +70,23 @@ class FitData:
         if iterates_statefully(self.loader):
             state, skip = data_state(meta, self.loader, skip, processes, jax.process_index())
         self.pipeline.resume_state = state
+        self.skip = skip
         return skip, state
 
-    def epoch(self, epoch: int, skip: int = 0) -> Batches:
-        """Epoch ``epoch``'s batches from batch ``skip`` (the first ready on return)."""
-        return self.pipeline.train_epoch(self.loader, epoch, skip)
+    def open(self, epoch: int) -> Batches:
+        """Opens the fit's first epoch, ``epoch``, from its start batch (the
+        first batch ready on return): `epoch` hands it to the loop. Close it
+        if the fit ends before."""
+        self._opened = (epoch, self.pipeline.train_epoch(self.loader, epoch, self.skip))
+        return self._opened[1]
+
+    def epoch(self, epoch: int) -> tuple[Batches, int]:
+        """Epoch ``epoch``'s batches and the batch of the epoch they start at:
+        the fit's first epoch from where it starts, every later one from 0."""
+        if self._opened is not None and self._opened[0] == epoch:
+            (_, batches), self._opened = self._opened, None
+            return batches, self.skip
+        return self.pipeline.train_epoch(self.loader, epoch, 0), 0
 
     def example(self) -> DeviceBatch:
         """The first batch of epoch 0, for shapes."""

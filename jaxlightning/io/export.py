@@ -1,6 +1,8 @@
 """A trained module's ``predict_step`` as one file that runs without its code.
 
-`export_predict` traces ``predict_step`` with `jax.export` (StableHLO, for the
+`export_predict` traces a module's ``predict_step`` (handed over as a
+function of the variables and a batch, with the variables: this module knows
+no module class) with `jax.export` (StableHLO, for the
 platforms asked for; the batch's leading axis symbolic, so any batch size runs)
 and writes it to one file with the trained variables. `load_exported` reads the
 file back into a callable: inference needs jax and flax, not the module's class,
@@ -23,24 +25,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import serialization
 
-from jaxlightning.training import contract
-
 FORMAT = "jaxlightning-export/1"
 
 
 def export_predict(
-    module: Any,
+    predict_step: Callable[[Any, Any], Any],
+    variables: Any,
     path: str | os.PathLike[str],
     example_batch: Any,
     *,
-    variables: Any = None,
     platforms: Sequence[str] | None = None,
     any_batch_size: bool = True,
 ) -> str:
-    """Writes ``module.predict_step`` with its variables to ``path``; see
-    `jaxlightning.JaxModule.export`. Returns the path written."""
-    if variables is None:
-        variables = contract.current_variables(module)
+    """Writes ``predict_step(variables, batch)`` with ``variables`` to ``path``;
+    see `jaxlightning.JaxModule.export`. Returns the path written."""
     batch = jax.tree.map(np.asarray, example_batch)
     leaves = jax.tree.leaves(batch)
     rows = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
@@ -53,10 +51,7 @@ def export_predict(
     flat_vars, var_tree = jax.tree.flatten(jax.tree.map(np.asarray, variables))
 
     def predict(var_leaves: list[jax.Array], batch: Any) -> Any:
-        variables = jax.tree.unflatten(var_tree, var_leaves)
-        n = jax.tree.leaves(batch)[0].shape[0]
-        with contract.collect_logs(module, "predict_step", jnp.ones((n,), bool)):
-            return contract.call_eval(module, "predict_step", variables, batch)
+        return predict_step(jax.tree.unflatten(var_tree, var_leaves), batch)
 
     if any_batch_size:
         (n,) = jax.export.symbolic_shape("batch")

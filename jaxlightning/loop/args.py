@@ -133,6 +133,10 @@ class TrainerArgs:
             name): one compiled program scans over them, so a small model
             stops paying the host's per-step dispatch (and, with the data on
             the devices, its per-step gather). Bitwise the same training as 1.
+            ``"auto"`` (the default): 8 where no one can tell the difference
+            (no callback or module batch hook that acts after each step, no
+            ``val_check_interval`` duration, a strategy of global arrays), 1
+            otherwise; the model summary's first lines say which and why.
             Reports, ``val_check_interval``, ``max_steps`` and
             ``ModelCheckpoint(every_n_train_steps=...)`` end a dispatch early,
             so they happen at their exact step; batch hooks still run once per
@@ -205,7 +209,7 @@ class TrainerArgs:
     on_nonfinite: str | Rollback = "raise"
     use_distributed_sampler: bool = True
     data_on_device: bool | str = "auto"
-    steps_per_execution: int = 1
+    steps_per_execution: int | str = "auto"
     num_nodes: int | None = None
     compilation_cache_dir: str | os.PathLike[str] | None = None
     enable_model_summary: bool = True

@@ -7,9 +7,9 @@ import contextlib
 import itertools
 from typing import Any
 
-from jaxlightning.data import Batches
 from jaxlightning.data.fit_data import FitData
 from jaxlightning.loop.eval_loop import EvalLoop
+from jaxlightning.loop.groups import Groups
 from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.state_points import StatePoints
 from jaxlightning.loop.stop import StopPolicy
@@ -37,6 +37,7 @@ class FitLoop:
         points: where the loop lets the host act on the state, announced to
             their subscribers (checkpoints that want a step's state, the
             rollback guard, resume points on a stop signal).
+        groups: where each group of steps dispatched together ends.
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class FitLoop:
         log_every_n_steps: int,
         num_sanity_val_steps: int,
         points: StatePoints,
+        groups: Groups,
     ) -> None:
         self.program = program
         self.evaluation = evaluation
@@ -63,22 +65,16 @@ class FitLoop:
         self.log_every_n_steps = log_every_n_steps
         self.num_sanity_val_steps = num_sanity_val_steps
         self.points = points
+        self.groups = groups
         self._epoch_runs_out = False  # this epoch ends at its loader's end (not max_steps)
         self._load_ahead: Any = lambda more: None  # the epoch's `Batches.load_ahead`
         self.validate_at_epoch_end = False
         self.val_check = ValCheck(schedule, stop, progress)
 
-    def run(
-        self,
-        module: JaxModule,
-        data: FitData,
-        val_loaders: Any,
-        batches: Batches | None,
-        skip: int,
-    ) -> None:
-        """Trains from epoch ``progress.current_epoch``, batch ``skip`` (its
-        ``batches`` already started), until a limit or a stop."""
-        if module.hparams and skip == 0 and self.progress.global_step == 0:
+    def run(self, module: JaxModule, data: FitData, val_loaders: Any) -> None:
+        """Trains from epoch ``progress.current_epoch``, at the batch ``data``
+        starts it at, until a limit or a stop."""
+        if module.hparams and data.skip == 0 and self.progress.global_step == 0:
             self.reporter.log_hyperparams(module.hparams)
         max_epochs = self.schedule.max_epochs
         start = self.progress.current_epoch
@@ -100,11 +96,9 @@ class FitLoop:
                     if self.stop.step_limit_reached() or self.stop.stopping():
                         break
                     self.progress.current_epoch = epoch
-                    if batches is None:
-                        batches = data.epoch(epoch)
+                    batches, skip = data.epoch(epoch)
                     with batches:
                         self._train_epoch(module, data, val_loaders, batches, epoch, skip)
-                    batches, skip = None, 0
                     if self.stop.signum:  # resume points saved, then the process exits
                         self.stop.exit_for_signal(self.points.stop_signal(module))
                     self._end_train_epoch()
@@ -136,7 +130,7 @@ class FitLoop:
         module: JaxModule,
         data: FitData,
         val_loaders: Any,
-        batches: Batches,
+        batches: Any,
         epoch: int,
         skip: int,
     ) -> None:
@@ -164,9 +158,11 @@ class FitLoop:
         if skip and val_loaders is not None and not progress.validated:
             self._validate_after(module, val_loaders, epoch, skip, epoch_batches)
 
+        validates = val_loaders is not None
+
         def ends(batch_idx: int, size: int) -> bool:  # a dispatch's last batch
             done = batch_idx + 1
-            return self._group_ends(epoch, done, done - skip, size, epoch_batches, val_loaders)
+            return self.groups.ends(epoch, done, done - skip, size, epoch_batches, validates)
 
         self._load_ahead = batches.load_ahead  # before a report's wait on the device
         for group in data.groups(batches, skip, ends):
@@ -177,36 +173,6 @@ class FitLoop:
         progress.epoch_completed = True
         if progress.end_partial_update():  # an epoch ending between two updates
             self.program.flush()
-
-    def _group_ends(
-        self,
-        epoch: int,
-        done: int,
-        run: int,
-        size: int,
-        epoch_batches: int | None,
-        val_loaders: Any,
-    ) -> bool:
-        """Whether a group of ``size`` batches ending with the epoch's batch
-        ``done`` (1-based; the ``run``-th since the epoch (re)started)
-        dispatches now: at ``steps_per_execution`` batches, or where the host
-        acts on the state after its last batch (the epoch's or ``max_steps``'
-        last batch, a report, a validation counted in batches, an update a
-        state-point subscriber wants: ModelCheckpoint's ``every_n_train_steps``)."""
-        if size >= self.program.steps_per_execution:
-            return True
-        progress = self.progress
-        if run == progress.num_training_batches:
-            return True
-        step, updated = progress.step_after(size)
-        if updated and (step % self.log_every_n_steps == 0 or self.points.wants_state_at(step)):
-            return True
-        schedule = self.schedule
-        if val_loaders is None or not schedule.validates_in(epoch):
-            return False
-        return schedule.val_check_seconds is None and schedule.validate_after_batch(
-            epoch, done, epoch_batches, progress.total_batches + size
-        )
 
     def _train_group(
         self,

@@ -91,18 +91,18 @@ class FitRun:
         meta = read_meta(path) if path else None
         if meta is not None:
             self.reporter.resume_in(meta.get("log_dir"))
-        skip = resume.start_from(meta, self.progress, data)
+        resume.start_from(meta, self.progress, data)
         # A fresh run always builds its state, even to train 0 steps (max_steps=0
         # initialises the module); one that continues a run may have nothing left.
         if path is not None or self.program.held.started:
-            reason = resume.nothing_left(self.progress, self.schedule, data.per_epoch, skip)
+            reason = resume.nothing_left(self.progress, self.schedule, data.per_epoch, data.skip)
             if reason:
                 if path is not None:  # the module's variables will be the checkpoint's
                     self.program.forget(module)
                 return resume.load_instead(module, path, self.progress, reason)
         self.data = data  # for the checkpoint record and recompute_batch_statistics
         try:
-            found = self._train_if_data_fits(module, data, val, tx, path, meta, skip)
+            found = self._train_if_data_fits(module, data, val, tx, path, meta)
             if found is not None:  # nothing ran: the fit starts again, from the host
                 copy, peak, limit = (n / 2**20 for n in (found.resident, found.peak, found.limit))
                 rank_zero_warn(
@@ -112,7 +112,7 @@ class FitRun:
                     "data_on_device=False to skip the try)"
                 )
                 with self.pipeline.from_host():
-                    self._train(module, data, val, tx, path, meta, skip)
+                    self._train(module, data, val, tx, path, meta)
         finally:
             self.data = None
         self.hooks("on_fit_end", module)
@@ -154,7 +154,7 @@ class FitRun:
         return None if ckpt_path is None else self.resolve_ckpt_path(ckpt_path)
 
     def _train(
-        self, module: JaxModule, data: FitData, val: Any, tx: Any, path: Any, meta: Any, skip: int
+        self, module: JaxModule, data: FitData, val: Any, tx: Any, path: Any, meta: Any
     ) -> None:
         # Every thread started from here on (prefetching, compiles) is joined on
         # every way out: one still running in XLA when the process exits aborts it.
@@ -162,16 +162,17 @@ class FitRun:
             batches = None
             self.pipeline.signatures.reset()  # this fit's first batch sets the shapes
             if data.trains:
-                batches = data.epoch(self.progress.current_epoch, skip)
+                batches = data.open(self.progress.current_epoch)
                 threads.callback(batches.close)
             example = (batches and batches.first) or data.example()
             self.program.start(module, tx, example, path, threads)
             if meta is not None:
                 resume.load_states(self.hooks, self.stages.datamodule, module, meta)
             self.stop.reset()
-            self.progress.position = (self.progress.current_epoch, skip)
+            self.progress.position = (self.progress.current_epoch, data.skip)
             self.reporter.fix_run_dirs()  # on every process at once
-            self.fit_loop.run(module, data, val, batches, skip)
+            self.program.group_size = self.fit_loop.groups.settle(module)
+            self.fit_loop.run(module, data, val)
         held = self.program.held
         contract.hand_back(module, held.trained_variables())
         if data.trains:

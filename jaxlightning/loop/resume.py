@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jaxlightning.callbacks import ModelCheckpoint
 from jaxlightning.cluster import distributed
 from jaxlightning.data.fit_data import FitData
 from jaxlightning.io import storage
@@ -19,6 +18,9 @@ from jaxlightning.loop.hooks import Hooks
 from jaxlightning.module import JaxModule
 from jaxlightning.progress import Progress
 from jaxlightning.schedule import Schedule
+
+if TYPE_CHECKING:
+    from jaxlightning.callbacks import ModelCheckpoint
 
 
 def _checkpoint_dirs(
@@ -142,19 +144,18 @@ def nothing_left(
     return "" if epoch_end_due else f"max_steps={schedule.max_steps} reached"
 
 
-def start_from(meta: Mapping[str, Any] | None, progress: Progress, data: FitData) -> int:
-    """Moves ``progress`` to a checkpoint record's position; returns the batch
-    of the epoch to start from (0 without a checkpoint), in this run's batches
-    (`FitData.resume_at`)."""
+def start_from(meta: Mapping[str, Any] | None, progress: Progress, data: FitData) -> None:
+    """Moves ``progress`` to a checkpoint record's position and ``data`` to
+    the batch of the epoch to start from, in this run's batches
+    (`FitData.resume_at`); without a checkpoint, neither moves."""
     if meta is None:
-        return 0
+        return
     at = meta["progress"]
     progress.resume_at(at["epoch"], at["batch"], at["global_step"], at.get("total_batches"))
     progress.validated = bool(at.get("validated", False))
     skip, state = data.resume_at(meta)
     progress.position = (at["epoch"], skip)  # in this run's batches, as its checkpoints save
     progress.data_state = state
-    return skip
 
 
 def load_instead(module: JaxModule, path: str | None, progress: Progress, reason: str) -> None:

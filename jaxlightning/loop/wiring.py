@@ -25,6 +25,7 @@ from jaxlightning.loop.editor import StateEditor
 from jaxlightning.loop.eval_loop import EvalLoop, as_list
 from jaxlightning.loop.fit_loop import FitLoop
 from jaxlightning.loop.fit_run import FitRun
+from jaxlightning.loop.groups import Groups
 from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.stages import Stages
 from jaxlightning.loop.state_points import StatePoints
@@ -35,7 +36,9 @@ from jaxlightning.reporting.reporter import Reporter, as_loggers
 from jaxlightning.schedule import Schedule, parse_max_time
 from jaxlightning.seed import default_seed
 from jaxlightning.strategies import Strategy, resolve_devices, resolve_strategy
+from jaxlightning.strategies.shard_map import ShardMapStrategy
 from jaxlightning.training.precision import resolve as precision_setting
+from jaxlightning.training.step import StepOptions
 from jaxlightning.xla import compile_cache
 
 _STAGES = ("train", "val", "test", "predict")  # of the limit_<stage>_batches arguments
@@ -63,12 +66,165 @@ class Parts:
     resolve_ckpt_path: Callable[[Any], str]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """The Trainer's arguments, checked and turned into the run's settings."""
+
+    fast_dev_run: int
+    schedule: Schedule
+    default_epochs: bool
+    rollback: Rollback | None
+    options: StepOptions
+    seed: int
+    sanity: int
+    default_root_dir: str
+    strategy: Strategy
+    logger: Any
+    callbacks: list[Callback]
+
+
+def _settings(args: TrainerArgs) -> _Settings:
+    """Checks each argument once, in the order the Trainer always has (errors
+    name the argument), and sets up the processes and the devices."""
+    fast_dev_run = checks.fast_dev_run(args.fast_dev_run)
+    schedule, default_epochs = _schedule(args, fast_dev_run)
+    sanity = 0 if fast_dev_run else checks.sanity_steps(args.num_sanity_val_steps)
+    rollback, on_nonfinite = _rollback(args.on_nonfinite)
+    options = checks.step_options(
+        args.gradient_clip_val,
+        args.gradient_clip_algorithm,
+        args.log_grad_norm,
+        args.accumulate_grad_batches,
+        on_nonfinite,
+    )
+    options = dataclasses.replace(options, precision=precision_setting(args.precision))
+    seed = args.seed
+    seed = checks.int_arg("seed", default_seed() if seed is None else seed, minimum=0)
+    default_root_dir = os.fspath(args.default_root_dir or os.getcwd())
+    distributed.initialize(args.num_nodes)  # before anything touches the devices
+    if args.compilation_cache_dir is not None:
+        compile_cache.enable(args.compilation_cache_dir)
+    strategy = resolve_strategy(args.strategy)
+    strategy.setup(resolve_devices(args.devices, args.accelerator))
+    logger, callbacks = _loggers_and_callbacks(args, fast_dev_run, rollback, default_root_dir)
+    return _Settings(
+        fast_dev_run=fast_dev_run,
+        schedule=schedule,
+        default_epochs=default_epochs,
+        rollback=rollback,
+        options=options,
+        seed=seed,
+        sanity=sanity,
+        default_root_dir=default_root_dir,
+        strategy=strategy,
+        logger=logger,
+        callbacks=callbacks,
+    )
+
+
 def wire(view: Any, args: TrainerArgs) -> Parts:
     """Checks the Trainer's arguments and builds the parts; ``view`` is what
     callbacks and the module (``self.trainer``) receive: the Trainer."""
-    fast_dev_run = checks.fast_dev_run(args.fast_dev_run)
+    s = _settings(args)
+    progress = Progress(accumulate=s.options.accumulate_grad_batches)
+    reporter = Reporter(as_loggers(s.logger), progress, stage_prefix=bool(args.stage_prefix))
+    stop = StopPolicy(s.schedule, progress)
+    hooks = Hooks(s.callbacks, view)
+    pipeline = _pipeline(args, s)
+    program = _program(args, s, progress)
+
+    def resolve_ckpt_path(ckpt_path: Any) -> str:
+        return resume.resolve_ckpt_path(
+            ckpt_path, hooks.checkpoint_callback, reporter.loggers, s.default_root_dir
+        )
+
+    evaluation = EvalLoop(pipeline, program, hooks, reporter, progress, resolve_ckpt_path)
+    points = StatePoints(hooks)
+    log_every = checks.int_arg("log_every_n_steps", args.log_every_n_steps, minimum=1)
+    groups = Groups(
+        checks.steps_per_execution(args.steps_per_execution, s.strategy),
+        groupable=isinstance(s.strategy, ShardMapStrategy),
+        hooks=hooks,
+        points=points,
+        progress=progress,
+        schedule=s.schedule,
+        log_every_n_steps=log_every,
+    )
+    fit_loop = FitLoop(
+        program=program,
+        evaluation=evaluation,
+        hooks=hooks,
+        reporter=reporter,
+        stop=stop,
+        progress=progress,
+        schedule=s.schedule,
+        log_every_n_steps=log_every,
+        num_sanity_val_steps=s.sanity,
+        points=points,
+        groups=groups,
+    )
+    stages = Stages(view, hooks, reporter, s.strategy)
+    fit = FitRun(
+        pipeline=pipeline,
+        program=program,
+        evaluation=evaluation,
+        fit_loop=fit_loop,
+        hooks=hooks,
+        reporter=reporter,
+        progress=progress,
+        schedule=s.schedule,
+        stop=stop,
+        stages=stages,
+        resolve_ckpt_path=resolve_ckpt_path,
+        default_epochs=s.default_epochs,
+    )
+    return Parts(
+        fast_dev_run=s.fast_dev_run,
+        schedule=s.schedule,
+        default_root_dir=s.default_root_dir,
+        strategy=s.strategy,
+        callbacks=s.callbacks,
+        progress=progress,
+        reporter=reporter,
+        stop=stop,
+        hooks=hooks,
+        pipeline=pipeline,
+        program=program,
+        evaluation=evaluation,
+        stages=stages,
+        fit=fit,
+        editor=StateEditor(program.held, progress, reporter, fit),
+        resolve_ckpt_path=resolve_ckpt_path,
+    )
+
+
+def _pipeline(args: TrainerArgs, s: _Settings) -> Pipeline:
+    return Pipeline(
+        s.strategy,
+        s.schedule,
+        seed=s.seed,
+        own_order=args.use_distributed_sampler,
+        shuffle_train=False if args.overfit_batches else None,
+        data_on_device=args.data_on_device,
+        recompile=args.recompile,
+    )
+
+
+def _program(args: TrainerArgs, s: _Settings, progress: Progress) -> Program:
+    return Program(
+        s.strategy,
+        s.options,
+        seed=s.seed,
+        progress=progress,
+        stop_on_nonfinite_loss=args.stop_on_nonfinite_loss and s.rollback is None,
+        device_memory=checks.device_memory(args.device_memory),
+    )
+
+
+def _schedule(args: TrainerArgs, fast_dev_run: int) -> tuple[Schedule, bool]:
+    """The run's `Schedule` and whether neither ``max_epochs`` nor ``max_steps``
+    was given (a fit then warns of the 1000-epoch default, as Lightning)."""
     max_epochs, max_steps = args.max_epochs, args.max_steps
-    # Lightning warns at fit when it picks the 1000-epoch default for you
     default_epochs = max_epochs is None and max_steps == -1 and not fast_dev_run
     max_epochs, max_steps = checks.epoch_limit(max_epochs, max_steps)
     every_n_epochs = args.check_val_every_n_epoch
@@ -85,98 +241,37 @@ def wire(view: Any, args: TrainerArgs) -> Parts:
         min_steps=checks.int_arg("min_steps", args.min_steps or 0, minimum=0),
         check_val_every_n_epoch=every_n_epochs,
     )
-    sanity = checks.sanity_steps(args.num_sanity_val_steps)
-    logger, callbacks = args.logger, args.callbacks
+    return schedule, default_epochs
+
+
+def _rollback(on_nonfinite: Any) -> tuple[Rollback | None, Any]:
+    """The `Rollback` policy ``on_nonfinite`` asks for (``"rollback"``: the
+    defaults), and ``on_nonfinite`` as the train step's option."""
+    if isinstance(on_nonfinite, Rollback):
+        return on_nonfinite, "rollback"
+    if isinstance(on_nonfinite, str) and on_nonfinite == "rollback":
+        return Rollback(), "rollback"
+    return None, on_nonfinite
+
+
+def _loggers_and_callbacks(
+    args: TrainerArgs, fast_dev_run: int, rollback: Rollback | None, default_root_dir: str
+) -> tuple[Any, list[Callback]]:
+    """The logger setting and the callbacks with the Trainer's defaults (a
+    fast dev run keeps no logger and no checkpoint)."""
+    logger, callbacks = args.logger, as_list(args.callbacks)
     checkpointing = args.enable_checkpointing
     if fast_dev_run:  # a few batches of everything; nothing kept
-        sanity, logger, checkpointing = 0, False, False
-        callbacks = [c for c in as_list(callbacks) if not isinstance(c, ModelCheckpoint)]
-    seed = args.seed
-    seed = checks.int_arg("seed", default_seed() if seed is None else seed, minimum=0)
-    on_nonfinite = args.on_nonfinite
-    rollback = on_nonfinite if isinstance(on_nonfinite, Rollback) else None
-    if rollback is not None or on_nonfinite == "rollback":
-        rollback, on_nonfinite = rollback or Rollback(), "rollback"
-    options = checks.step_options(
-        args.gradient_clip_val,
-        args.gradient_clip_algorithm,
-        args.log_grad_norm,
-        args.accumulate_grad_batches,
-        on_nonfinite,
-    )
-    options = dataclasses.replace(options, precision=precision_setting(args.precision))
-    default_root_dir = os.fspath(args.default_root_dir or os.getcwd())
-    distributed.initialize(args.num_nodes)  # before anything touches the devices
-    if args.compilation_cache_dir is not None:
-        compile_cache.enable(args.compilation_cache_dir)
-    strategy = resolve_strategy(args.strategy)
-    strategy.setup(resolve_devices(args.devices, args.accelerator))
-    steps_per_execution = checks.steps_per_execution(args.steps_per_execution, strategy)
+        logger, checkpointing = False, False
+        callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
     if logger is True:
         logger = TensorBoardLogger(default_root_dir)
     callbacks = with_defaults(
-        as_list(callbacks) + ([rollback] if rollback is not None else []),
+        callbacks + ([rollback] if rollback is not None else []),
         checkpointing=checkpointing,
         progress_bar=args.enable_progress_bar,
         summary=args.enable_model_summary,
         profiler=args.profiler,
         max_time=parse_max_time(args.max_time, minimum=0.0),
     )
-
-    progress = Progress(accumulate=options.accumulate_grad_batches)
-    reporter = Reporter(as_loggers(logger), progress, stage_prefix=bool(args.stage_prefix))
-    stop = StopPolicy(schedule, progress)
-    hooks = Hooks(callbacks, view)
-    pipeline = Pipeline(
-        strategy,
-        schedule,
-        seed=seed,
-        own_order=args.use_distributed_sampler,
-        shuffle_train=False if args.overfit_batches else None,
-        data_on_device=args.data_on_device,
-        recompile=args.recompile,
-    )
-    program = Program(
-        strategy, options, seed=seed, progress=progress,
-        stop_on_nonfinite_loss=args.stop_on_nonfinite_loss and rollback is None,
-        steps_per_execution=steps_per_execution,
-        device_memory=checks.device_memory(args.device_memory),
-    )  # fmt: skip
-
-    def resolve_ckpt_path(ckpt_path: Any) -> str:
-        return resume.resolve_ckpt_path(
-            ckpt_path, hooks.checkpoint_callback, reporter.loggers, default_root_dir
-        )
-
-    evaluation = EvalLoop(pipeline, program, hooks, reporter, progress, resolve_ckpt_path)
-    log_every = checks.int_arg("log_every_n_steps", args.log_every_n_steps, minimum=1)
-    fit_loop = FitLoop(
-        program=program, evaluation=evaluation, hooks=hooks, reporter=reporter, stop=stop,
-        progress=progress, schedule=schedule,
-        log_every_n_steps=log_every, num_sanity_val_steps=sanity,
-        points=StatePoints(hooks),
-    )  # fmt: skip
-    stages = Stages(view, hooks, reporter, strategy)
-    fit = FitRun(
-        pipeline=pipeline, program=program, evaluation=evaluation, fit_loop=fit_loop,
-        hooks=hooks, reporter=reporter, progress=progress, schedule=schedule, stop=stop,
-        stages=stages, resolve_ckpt_path=resolve_ckpt_path, default_epochs=default_epochs,
-    )  # fmt: skip
-    return Parts(
-        fast_dev_run=fast_dev_run,
-        schedule=schedule,
-        default_root_dir=default_root_dir,
-        strategy=strategy,
-        callbacks=callbacks,
-        progress=progress,
-        reporter=reporter,
-        stop=stop,
-        hooks=hooks,
-        pipeline=pipeline,
-        program=program,
-        evaluation=evaluation,
-        stages=stages,
-        fit=fit,
-        editor=StateEditor(program.held, progress, reporter, fit),
-        resolve_ckpt_path=resolve_ckpt_path,
-    )
+    return logger, callbacks

@@ -197,7 +197,7 @@ class CompiledSteps:
             if resident:
                 replicated, sharded = self.strategy.batch_placement  # type: ignore[misc]
                 self._groups[kind] = resident_steps(step, replicated, sharded)
-            else:  # a ShardMapStrategy's (checks.steps_per_execution)
+            else:  # a ShardMapStrategy's (the only one that groups steps)
                 self._groups[kind] = host_steps(step, self.strategy.batch_sharding)  # type: ignore[attr-defined]
         return self._groups[kind]
 

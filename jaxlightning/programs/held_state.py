@@ -100,8 +100,8 @@ class HeldState:
         if self.progress.steps_ahead:
             raise RuntimeError(
                 f"a checkpoint now would hold a train state {self.progress.steps_ahead} "
-                "step(s) ahead of this batch (steps_per_execution runs several batches per "
-                "dispatch); save at the end of a dispatch: in on_train_batch_end when "
+                "step(s) ahead of this batch (this fit runs trainer.steps_per_dispatch batches "
+                "per dispatch); save at the end of a dispatch: in on_train_batch_end when "
                 "trainer.steps_ahead == 0, or with ModelCheckpoint(every_n_train_steps=...), "
                 "which ends dispatches at its steps"
             )

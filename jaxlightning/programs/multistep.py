@@ -1,4 +1,4 @@
-"""Several train steps in one dispatch (``Trainer(steps_per_execution=k)``).
+"""Several train steps in one dispatch (a group the fit loop's `Groups` cut).
 
 One program runs the compiled train step over a group of batches with
 `jax.lax.scan`, carrying the state and the metric accumulator from batch to

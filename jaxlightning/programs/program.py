@@ -47,7 +47,6 @@ class Program:
         seed: seeds initialisation and every per-device, per-step key.
         progress: the run's position (named in non-finite loss errors).
         stop_on_nonfinite_loss: raise `NonFiniteLossError` at the next report.
-        steps_per_execution: the most batches `train_group` runs in one dispatch.
         device_memory: bytes a device holds (``None``: what it reports, where
             it does); a train step that needs more stops the fit before its
             first step (`memory.MemoryBudgetError`).
@@ -61,14 +60,13 @@ class Program:
         seed: int,
         progress: Progress,
         stop_on_nonfinite_loss: bool = True,
-        steps_per_execution: int = 1,
         device_memory: int | None = None,
     ) -> None:
         self.strategy = strategy
         self.options = options
         self.seed = seed
         self.progress = progress
-        self.steps_per_execution = steps_per_execution
+        self.group_size = 1  # batches `train_group` runs in one dispatch (set per fit)
         self.device_memory = device_memory
         self.held = HeldState(strategy, progress, stop_on_nonfinite_loss=stop_on_nonfinite_loss)
         self.steps = CompiledSteps(strategy, options, seed=seed)
@@ -180,11 +178,11 @@ class Program:
     def train_group(self, batches: list[Any]) -> None:
         """Dispatches the train steps of ``batches`` as one program (`multistep`):
         the state ends as ``train`` of each in turn would leave it. A group
-        shorter than ``steps_per_execution`` (cut by a report, a validation, an
+        shorter than ``group_size`` (cut by a report, a validation, an
         epoch's end) runs batch by batch instead: one group program to compile,
         not one per length; so does a group of batches of several shapes
         (shape buckets)."""
-        if len(batches) < self.steps_per_execution or len(batches) == 1 or _mixed(batches):
+        if len(batches) < self.group_size or len(batches) == 1 or _mixed(batches):
             for batch in batches:
                 self.train(batch)
             return

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from jaxlightning.module import JaxModule
+from jaxlightning.training.nnx import NnxGraph
 
 
 def overrides(module: JaxModule | type[JaxModule], hook: str) -> bool:
@@ -51,8 +52,6 @@ def nnx_graph(module: JaxModule) -> Any:
 
 def prepare_nnx(module: JaxModule) -> None:
     """Splits the module's NNX model on the host, once, before tracing."""
-    from jaxlightning.training.nnx import NnxGraph
-
     model = module._nnx_model()
     if model is not None and module._nnx is None:
         module._nnx = NnxGraph(model)

@@ -414,7 +414,19 @@ def build_train_parts(
             function, so the gradient of each gathered array comes out
             reduce-scattered (the transpose of a gather).
     """
+    return TrainStepParts(
+        _build_gradients(module, options, reduce_grads, gathering), _build_apply(tx, options)
+    )
 
+
+def _build_gradients(
+    module: JaxModule,
+    options: StepOptions,
+    reduce_grads: Callable[[Any], Any] | None,
+    gathering: Callable[[Callable[..., Any]], Callable[..., Any]] | None,
+) -> Callable[..., Any]:
+    """`TrainStepParts.gradients` of `build_train_parts`: the loss and its
+    gradient on one device's shard, reduced across devices."""
     k = options.accumulate_grad_batches
 
     def jl_gradients(state, batch, rows):
@@ -450,6 +462,14 @@ def build_train_parts(
         updates = pmean_floats(summed_updates, updates, jax.lax.axis_size(AXIS))
         return grads, updates, metrics
 
+    return jl_gradients
+
+
+def _build_apply(tx: Any, options: StepOptions) -> Callable[..., Any]:
+    """`TrainStepParts.apply` of `build_train_parts`: whether the update is
+    finite, then a micro-batch summed in (with accumulation) or the update
+    applied."""
+
     def jl_apply(state, acc, grads, updates, metrics):
         n_real = metrics[LOSS].count
         finite = jnp.isfinite(metrics[LOSS].total)
@@ -461,43 +481,73 @@ def build_train_parts(
             metrics[LOSS_MAX] = Extreme(
                 value=loss.astype(jnp.float32), count=seen.astype(jnp.int32), op="max"
             )
-        if k > 1:  # sum this micro-batch in; update once k are in
-            kept = state
-            state = state.accumulate(grads, n_real).replace(
-                model_state={**state.model_state, **updates}
-            )
-            # a bad micro-batch is left out of the mean; under 16-mixed's loss
-            # scaling an overflow spoils its window instead (the update is skipped,
-            # the scale halved, when the window is applied)
-            if options.skip_nonfinite and not options.loss_scaled:
-                state = keep_if(finite, state, kept.replace(micro=state.micro))
-            new_state = jax.lax.cond(
-                state.micro == k,
-                lambda s: s.apply_accumulated(
-                    tx, skip_empty=options.skip_nonfinite, loss_scaled=options.loss_scaled
-                ),
-                lambda s: s,
-                state,
-            )
-            step = state.step * k + state.micro  # micro-batches, for the non-finite report
-            return new_state, _merge_checked(acc, metrics, step, finite, "loss", options)
-        divisor = n_real if not options.loss_scaled else n_real * state.opt_state.scale
-        grads = jax.tree.map(lambda g: g / divisor, grads)
-        if options.log_grad_norm:  # the same on every device: counts once per step
-            norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-            metrics[GRAD_NORM] = Average(
-                total=norm.astype(jnp.float32), count=jnp.ones((), jnp.int32)
-            )
-        # the loss of the global batch, the same on every device
-        value = metrics[LOSS].total / n_real
-        new_state = state.apply_gradients(tx, grads, updates, value=value)
-        if options.skip_nonfinite:
-            new_state = keep_if(finite, new_state, state)
-        if options.loss_scaled:
-            new_state = new_state.replace(opt_state=next_scale(new_state.opt_state, finite))
-        return new_state, _merge_checked(acc, metrics, new_state.step, finite, "loss", options)
+        if options.accumulate_grad_batches > 1:
+            return _accumulate_micro_batch(tx, options, state, acc, grads, updates, metrics, finite)
+        return _apply_update(tx, options, state, acc, grads, updates, metrics, finite)
 
-    return TrainStepParts(jl_gradients, jl_apply)
+    return jl_apply
+
+
+def _accumulate_micro_batch(
+    tx: Any,
+    options: StepOptions,
+    state: AccumulatingState,
+    acc: TrainMetrics,
+    grads: Any,
+    updates: Any,
+    metrics: Metrics,
+    finite: jax.Array,
+) -> tuple[AccumulatingState, TrainMetrics]:
+    """Sums one micro-batch's gradient into ``state`` and applies the mean
+    once ``accumulate_grad_batches`` of them are in."""
+    k = options.accumulate_grad_batches
+    kept = state
+    state = state.accumulate(grads, metrics[LOSS].count).replace(
+        model_state={**state.model_state, **updates}
+    )
+    # a bad micro-batch is left out of the mean; under 16-mixed's loss
+    # scaling an overflow spoils its window instead (the update is skipped,
+    # the scale halved, when the window is applied)
+    if options.skip_nonfinite and not options.loss_scaled:
+        state = keep_if(finite, state, kept.replace(micro=state.micro))
+    new_state = jax.lax.cond(
+        state.micro == k,
+        lambda s: s.apply_accumulated(
+            tx, skip_empty=options.skip_nonfinite, loss_scaled=options.loss_scaled
+        ),
+        lambda s: s,
+        state,
+    )
+    step = state.step * k + state.micro  # micro-batches, for the non-finite report
+    return new_state, _merge_checked(acc, metrics, step, finite, "loss", options)
+
+
+def _apply_update(
+    tx: Any,
+    options: StepOptions,
+    state: TrainState,
+    acc: TrainMetrics,
+    grads: Any,
+    updates: Any,
+    metrics: Metrics,
+    finite: jax.Array,
+) -> tuple[TrainState, TrainMetrics]:
+    """The optimizer update with the global batch's mean gradient; where it is
+    not ``finite`` and `StepOptions.skip_nonfinite`, the state stays as it was."""
+    n_real = metrics[LOSS].count
+    divisor = n_real if not options.loss_scaled else n_real * state.opt_state.scale
+    grads = jax.tree.map(lambda g: g / divisor, grads)
+    if options.log_grad_norm:  # the same on every device: counts once per step
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        metrics[GRAD_NORM] = Average(total=norm.astype(jnp.float32), count=jnp.ones((), jnp.int32))
+    # the loss of the global batch, the same on every device
+    value = metrics[LOSS].total / n_real
+    new_state = state.apply_gradients(tx, grads, updates, value=value)
+    if options.skip_nonfinite:
+        new_state = keep_if(finite, new_state, state)
+    if options.loss_scaled:
+        new_state = new_state.replace(opt_state=next_scale(new_state.opt_state, finite))
+    return new_state, _merge_checked(acc, metrics, new_state.step, finite, "loss", options)
 
 
 def build_train_step(

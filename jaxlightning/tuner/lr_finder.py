@@ -22,6 +22,7 @@ import optax
 
 from jaxlightning import checks
 from jaxlightning.callbacks.base import Callback
+from jaxlightning.trainer import Trainer
 
 
 @dataclasses.dataclass
@@ -143,8 +144,6 @@ def lr_find(
     beta: float = 0.98,
 ) -> LRFinder:
     """See `jaxlightning.Tuner.lr_find`."""
-    from jaxlightning.trainer import Trainer  # the Trainer builds on the tuner
-
     if mode not in ("exponential", "linear"):
         raise ValueError(f'mode must be "exponential" or "linear", got {mode!r}')
     checks.int_arg("num_training", num_training, minimum=2)

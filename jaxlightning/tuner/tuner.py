@@ -2,7 +2,7 @@
 
 Lightning's batch-size finder runs steps at growing sizes until CUDA runs out
 of memory. Here each candidate's train step is only compiled, and XLA's
-memory analysis of it (`jaxlightning.tuner.cost`) says whether it fits: nothing runs,
+memory analysis of it (`jaxlightning.xla.cost`) says whether it fits: nothing runs,
 nothing runs out of memory, and the trainer's state is left as it was.
 """
 
@@ -16,8 +16,8 @@ from jaxlightning import checks
 from jaxlightning.cluster.rank_zero import rank_zero_info, rank_zero_warn
 from jaxlightning.data.datamodule import is_datamodule
 from jaxlightning.module import JaxModule
-from jaxlightning.tuner import memory
 from jaxlightning.tuner.lr_finder import LRFinder, lr_find
+from jaxlightning.xla import memory
 
 
 class Tuner:
@@ -81,18 +81,7 @@ class Tuner:
         if self.trainer.fast_dev_run:
             rank_zero_warn("Skipping batch size scaler since `fast_dev_run` is enabled.")
             return None
-        if method != "fit":
-            raise ValueError(
-                f"scale_batch_size(method={method!r}): only 'fit' is supported; the search "
-                "sizes the compiled train step"
-            )
-        if not 0 <= margin < 1:
-            raise ValueError(f"margin must be in [0, 1), got {margin}")
-        checks.int_arg("steps_per_trial", steps_per_trial, minimum=1)
-        if mode not in ("power", "binsearch"):
-            raise ValueError(f'mode must be "power" or "binsearch", got {mode!r}')
-        checks.int_arg("init_val", init_val, minimum=1)
-        checks.int_arg("max_trials", max_trials, minimum=1)
+        _check_search_args(method, margin, steps_per_trial, mode, init_val, max_trials)
         trainer = self.trainer
         budget = max_bytes if max_bytes is not None else _device_limit(trainer.strategy.devices)
         if datamodule is None and is_datamodule(train_dataloaders):
@@ -110,8 +99,7 @@ class Tuner:
                 max_trials=max_trials,
             )
         if mode == "binsearch" and margin > 0:
-            shards = trainer.strategy.num_local_shards
-            low = max(int(low * (1 - margin)) // shards * shards, shards)
+            low = _less_margin(low, margin, trainer.strategy.num_local_shards)
         _set_batch_size(model, datamodule, batch_arg_name, low)
         return low
 
@@ -183,6 +171,32 @@ class Tuner:
         if datamodule is None and is_datamodule(train_dataloaders):
             datamodule, train_dataloaders = train_dataloaders, None
         return lr_find(self.trainer, model, train_dataloaders, datamodule, **settings)
+
+
+def _check_search_args(
+    method: str, margin: float, steps_per_trial: int, mode: str, init_val: int, max_trials: int
+) -> None:
+    """Refuses `Tuner.scale_batch_size` arguments it cannot search with, before
+    anything is compiled."""
+    if method != "fit":
+        raise ValueError(
+            f"scale_batch_size(method={method!r}): only 'fit' is supported; the search "
+            "sizes the compiled train step"
+        )
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    checks.int_arg("steps_per_trial", steps_per_trial, minimum=1)
+    if mode not in ("power", "binsearch"):
+        raise ValueError(f'mode must be "power" or "binsearch", got {mode!r}')
+    checks.int_arg("init_val", init_val, minimum=1)
+    checks.int_arg("max_trials", max_trials, minimum=1)
+
+
+def _less_margin(size: int, margin: float, shards: int) -> int:
+    """``size`` lowered by the fraction ``margin``, down to a multiple of
+    ``shards`` (and at least one row per shard), as a safety margin under the
+    largest size that fit."""
+    return max(int(size * (1 - margin)) // shards * shards, shards)
 
 
 def _search(
