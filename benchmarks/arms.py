@@ -511,7 +511,9 @@ def data_path(size: dict[str, int], rounds: int) -> dict[str, Any]:
     """Issue 23's arm: an MNIST-shaped MLP (784 -> 256 -> 256 -> 10, batch 128, Adam,
     shuffled) on one device, a steady epoch side by side: the Trainer over a
     DataLoader of a TensorDataset with its batches resident on the device (the
-    default; one step and eight steps per dispatch) and on the host path; bare
+    default, "auto": eight steps per dispatch with the default logging
+    interval; one step and eight steps per dispatch asked for) and on the host
+    path (auto and one step); bare
     jit loops over the DataLoader and over device-resident arrays (the physical
     reference); Keras 3 on JAX over numpy arrays and PyTorch Lightning, where
     installed."""
@@ -529,7 +531,15 @@ def data_path(size: dict[str, int], rounds: int) -> dict[str, Any]:
         "resident_spe8": lambda: common.trainer_epochs(
             dl, epochs, devices=1, steps_per_execution=8, log_every_n_steps=48
         )[0],
+        # one step per dispatch: what "auto" (the default) chooses when a
+        # callback acts after each step
+        "resident_spe1": lambda: common.trainer_epochs(
+            dl, epochs, devices=1, steps_per_execution=1
+        )[0],
         "host": lambda: common.trainer_epochs(dl, epochs, devices=1, data_on_device=False)[0],
+        "host_spe1": lambda: common.trainer_epochs(
+            dl, epochs, devices=1, data_on_device=False, steps_per_execution=1
+        )[0],
         "bare_loader": lambda: common.bare_jit_epochs(dl, epochs)[0],
         "bare_resident": lambda: common.bare_resident_epochs(x, y, batch, epochs),
     }
@@ -555,6 +565,9 @@ def data_path(size: dict[str, int], rounds: int) -> dict[str, Any]:
         return _median([s / f for s, f in pairs])
 
     out["resident_vs_host"] = ratio("host", "resident")
+    out["auto_vs_spe1"] = ratio("resident_spe1", "resident")
+    out["host_auto_vs_spe1"] = ratio("host_spe1", "host")
+    out["spe1_vs_bare_resident"] = ratio("bare_resident", "resident_spe1")
     out["spe8_vs_spe1"] = ratio("resident", "resident_spe8")
     out["spe8_vs_bare_resident"] = ratio("bare_resident", "resident_spe8")
     out["resident_vs_bare_resident"] = ratio("bare_resident", "resident")

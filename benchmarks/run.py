@@ -63,7 +63,7 @@ TARGETS: list[tuple[str, float, bool]] = [
     ("startup.startup.warm_fit_over_lightning", 1.0, False),
     ("data.data_path.resident_vs_keras", 1.2, True),
     ("data.data_path.resident_vs_lightning", 2.5, True),
-    ("data.data_path.resident_vs_bare_resident", 0.9, True),
+    ("data.data_path.resident_vs_bare_resident", 1.05, True),
     ("data.data_path.spe8_vs_keras_spe8", 1.2, True),
     ("data.data_path.spe8_vs_lightning", 2.5, True),
     ("workers.workers.fork_first_step_minus_none_s", 1.0, False),

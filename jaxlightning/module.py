@@ -779,6 +779,7 @@ class JaxModule:
         Returns:
             The path written.
         """
+
         def predict(variables: Any, batch: Any) -> Any:
             n = jax.tree.leaves(batch)[0].shape[0]
             with self._collect_logs("predict_step", jnp.ones((n,), bool)):

@@ -35,6 +35,7 @@ def with_defaults(
     (first), a `JaxProfiler` for ``profiler="jax"``, and a `Timer` for
     ``max_time`` (seconds; one among ``callbacks`` is kept, as in Lightning).
     Refuses a `ModelCheckpoint` when ``checkpointing`` is off (`check_checkpointing`)."""
+
     def has(kind: type) -> bool:
         return any(isinstance(c, kind) for c in callbacks)
 

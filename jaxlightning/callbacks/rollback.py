@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 ROLLBACKS = "train/rollbacks"
 
+
 class Rollback(Callback):
     """The policy of ``Trainer(on_nonfinite=Rollback(...))`` (``"rollback"``:
     the defaults).

@@ -165,7 +165,9 @@ class FitRun:
                 batches = data.open(self.progress.current_epoch)
                 threads.callback(batches.close)
             example = (batches and batches.first) or data.example()
-            self.program.start(module, tx, example, path, threads)
+            self.program.compile(module, tx, example, threads)
+            self.program.check_memory(module, tx, example)  # before anything runs
+            self.program.hold(module, path)
             if meta is not None:
                 resume.load_states(self.hooks, self.stages.datamodule, module, meta)
             self.stop.reset()

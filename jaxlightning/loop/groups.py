@@ -12,10 +12,9 @@ of). A group runs bitwise as its steps one by one would.
 
 from __future__ import annotations
 
-from typing import Any
-
 from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.state_points import StatePoints
+from jaxlightning.loop.stop import StopPolicy
 from jaxlightning.module import JaxModule
 from jaxlightning.progress import Progress
 from jaxlightning.schedule import Schedule
@@ -35,6 +34,8 @@ class Groups:
         hooks: the callbacks (their `Extensions` say who needs each step).
         points: whose state points end a group.
         progress, schedule: where the run is; when it validates.
+        stop: a stop asked for and held back (``min_steps``) takes effect
+            at its exact step: groups are single steps meanwhile.
         log_every_n_steps: reports end a group.
     """
 
@@ -47,6 +48,7 @@ class Groups:
         points: StatePoints,
         progress: Progress,
         schedule: Schedule,
+        stop: StopPolicy,
         log_every_n_steps: int,
     ) -> None:
         self.requested = steps_per_execution
@@ -55,6 +57,7 @@ class Groups:
         self.points = points
         self.progress = progress
         self.schedule = schedule
+        self.stop = stop
         self.log_every_n_steps = log_every_n_steps
         self.size = steps_per_execution if isinstance(steps_per_execution, int) else 1
         self.why = ""
@@ -100,7 +103,7 @@ class Groups:
         """Whether a group of ``size`` batches ending with the epoch's batch
         ``done`` (1-based; the ``run``-th since the epoch (re)started) is
         dispatched now; ``validates``: the fit has validation loaders."""
-        if size >= self.size:
+        if size >= self.size or self.stop.should_stop:
             return True
         progress = self.progress
         if run == progress.num_training_batches:
@@ -114,7 +117,3 @@ class Groups:
         return schedule.val_check_seconds is None and schedule.validate_after_batch(
             epoch, done, epoch_batches, progress.total_batches + size
         )
-
-    def at_dispatch(self, group: list[Any]) -> bool:
-        """Whether ``group`` (its batches) runs as one program: a whole group."""
-        return len(group) >= self.size

@@ -148,6 +148,7 @@ def wire(view: Any, args: TrainerArgs) -> Parts:
         points=points,
         progress=progress,
         schedule=s.schedule,
+        stop=stop,
         log_every_n_steps=log_every,
     )
     fit_loop = FitLoop(

@@ -75,18 +75,21 @@ class Program:
         self._train_step: Any = None
         self._resident_step: Any = None
         self._flush: Any = None
+        self._pending: Any = None  # (state shapes, the state being built) after `compile`
+        self._acc0: Any = None
 
-    def start(
+    def compile(
         self,
         module: JaxModule,
         tx: optax.GradientTransformation,
         example: DeviceBatch,
-        resume: str | None,
         threads: contextlib.ExitStack,
     ) -> None:
-        """Builds (or restores from ``resume``) the state and compiles the train step."""
+        """Starts building the state and compiling the train step (on worker
+        threads, joined when ``threads`` closes); `hold` then waits for the state."""
         shapes, pending_state = self.steps.init_state(module, tx, example)
         threads.callback(join_quietly, pending_state)
+        self._pending = (shapes, pending_state)
         acc0, self.train_options = self.steps.zero_train_metrics(module, shapes, example, tx)
         # The step that will run compiles ahead: for a resident dataset's batches
         # the one that gathers them; the plain step too where the memory check
@@ -108,8 +111,12 @@ class Program:
         self._flush = None
         if self.options.accumulate_grad_batches > 1:
             self._flush = self.steps.flush(tx)
-        self._check_memory(module, tx, example, shapes)
-        state = pending_state.result()
+        self._acc0 = acc0
+
+    def hold(self, module: JaxModule, resume: str | None) -> None:
+        """Holds the built state (or the one restored from ``resume``) for training."""
+        state, acc0 = self._pending[1].result(), self._acc0
+        self._pending = self._acc0 = None
         acc = acc0
         if resume is not None:
             restored = restore(resume, {"state": state, "acc": acc0})
@@ -119,13 +126,15 @@ class Program:
         self.steps.forget_evaluations()
         self.fit_module = module
 
-    def _check_memory(
-        self, module: JaxModule, tx: optax.GradientTransformation, example: DeviceBatch, state: Any
+    def check_memory(
+        self, module: JaxModule, tx: optax.GradientTransformation, example: DeviceBatch
     ) -> None:
-        """Stops the fit, before any step, when the train step needs more memory
-        than a device holds (only where that is known: nothing waits otherwise).
-        The step is counted as the Tuner counts it, on a batch handed to it,
-        with a resident dataset's copy beside it."""
+        """The pre-flight check, between `compile` and `hold`: stops the fit,
+        before any step, when the compiled train step needs more memory than a
+        device holds (only where that is known: nothing waits otherwise). The
+        step is counted as the Tuner counts it, on a batch handed to it, with a
+        resident dataset's copy beside it."""
+        state = self._pending[0]
         limit = self._memory_limit()
         cost = None if limit is None else _cost_of(self._train_step)
         if cost is None:

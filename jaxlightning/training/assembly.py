@@ -111,8 +111,6 @@ def _transformation(tx: Any) -> Any:
     return as_transform() if callable(as_transform) else tx  # optax.MultiSteps
 
 
-
-
 def _leaves_alone(transform: Any, tx: Any) -> bool:
     """Whether a callback's ``transform_optimizer`` returns ``tx`` unchanged
     (a `Rollback` that lowers no rate, say)."""
