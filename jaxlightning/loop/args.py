@@ -136,7 +136,8 @@ class TrainerArgs:
             ``"auto"`` (the default): 8 where no one can tell the difference
             (no callback or module batch hook that acts after each step, no
             ``val_check_interval`` duration, a strategy of global arrays), 1
-            otherwise; the model summary's first lines say which and why.
+            otherwise; the model summary's first lines say which
+            (``trainer.steps_per_dispatch``).
             Reports, ``val_check_interval``, ``max_steps`` and
             ``ModelCheckpoint(every_n_train_steps=...)`` end a dispatch early,
             so they happen at their exact step; batch hooks still run once per

@@ -63,7 +63,8 @@ class Groups:
         self.why = ""
 
     def settle(self, module: JaxModule) -> int:
-        """The group size of a fit of ``module`` (``why`` says how it was chosen)."""
+        """The group size of a fit of ``module``; ``why`` says how it was chosen
+        (``"steps_per_execution='auto': LearningRateMonitor act(s) after each step"``)."""
         if isinstance(self.requested, int):
             self.size, self.why = self.requested, f"steps_per_execution={self.requested}"
             return self.size
@@ -85,11 +86,6 @@ class Groups:
         if self.schedule.val_check_seconds is not None:
             return "val_check_interval is a duration, checked after each step"
         return ""
-
-    def describe(self) -> str:
-        """The fit's line about it: ``"8 steps per dispatch (steps_per_execution='auto')"``."""
-        steps = "1 step" if self.size == 1 else f"{self.size} steps"
-        return f"{steps} per dispatch ({self.why})" if self.why else f"{steps} per dispatch"
 
     def ends(
         self,

@@ -41,6 +41,11 @@ def _own(obj: Any, hook: str, base: type) -> Any:
     return None if getattr(fn, "__func__", None) is getattr(base, hook) else fn
 
 
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether ``a`` and ``b`` hold the same objects in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
 def _monitors(callback: Callback) -> bool:
     """Whether ``callback`` acts on monitored values (checkpointing, early stopping):
     at a train epoch's end it runs after the module, which may log them there."""
@@ -58,16 +63,17 @@ class Hooks:
     def __init__(self, callbacks: Sequence[Callback], view: Any) -> None:
         self.callbacks = callbacks
         self.view = view
-        self._extensions: tuple[tuple[int, ...], Extensions] | None = None
+        self._extensions: tuple[tuple[Callback, ...], Extensions] | None = None
 
     @property
     def extensions(self) -> Extensions:
         """The callbacks' optional methods, collected once for a list of
         callbacks (again when it changes: a fit's ``configure_callbacks``, a
         plateau scheduler's stepper)."""
-        key = tuple(map(id, self.callbacks))
-        if self._extensions is None or self._extensions[0] != key:
-            self._extensions = (key, Extensions.of(self.callbacks))
+        # Keyed on the callbacks themselves (held, so no freed one's id is reused)
+        now = tuple(self.callbacks)
+        if self._extensions is None or not _same(self._extensions[0], now):
+            self._extensions = (now, Extensions.of(now))
         return self._extensions[1]
 
     def __call__(self, hook: str, module: JaxModule, *args: Any) -> Any:
