@@ -135,3 +135,32 @@ def test_bad_steps_per_execution_is_named(bad, match):
 def test_pmap_refuses_several_steps_per_dispatch():
     with pytest.raises(ValueError, match="steps_per_execution=4 needs .*'pmap'"):
         jl.Trainer(strategy="pmap", steps_per_execution=4, logger=False)
+
+
+class EpochsOnly(jl.Callback):
+    """A callback with epoch hooks only: nothing that needs each step."""
+
+    def __init__(self):
+        self.epochs = 0
+
+    def on_train_epoch_end(self, trainer, module):
+        self.epochs += 1
+
+
+def test_the_auto_default_groups_steps_and_trains_bitwise_as_one_step_per_dispatch():
+    # "auto" (the default) groups 8 steps where no one can tell: the same
+    # parameters as one step per dispatch; a callback with a batch hook (Seen)
+    # makes it run one step per dispatch.
+    def fit(**kwargs):
+        trainer = quiet_trainer(max_epochs=2, callbacks=[EpochsOnly()], **kwargs)
+        trainer.fit(LitMLP(init_variables=init_mlp(), dropout=0.1), _train_loader())
+        return trainer
+
+    auto, one = fit(), fit(steps_per_execution=1)
+    assert jl.TrainerArgs().steps_per_execution == "auto"
+    assert (auto.steps_per_dispatch, one.steps_per_dispatch) == (8, 1)
+    assert auto.global_step == one.global_step == 26
+    assert _same_params(auto, one)
+    watched = quiet_trainer(max_epochs=1, callbacks=[Seen()])
+    watched.fit(LitMLP(init_variables=init_mlp()), _train_loader())
+    assert watched.steps_per_dispatch == 1
