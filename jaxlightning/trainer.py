@@ -196,7 +196,7 @@ class Trainer:
         """XLA's count of the last evaluation's compiled step on one device
         (validation, the sanity check's or test): ``None`` before any, under
         ``pmap`` and in multi-process runs."""
-        return self._program.steps.eval_cost()
+        return self._evaluation.programs.eval_cost()
 
     @contextlib.contextmanager
     def train_cost_at(

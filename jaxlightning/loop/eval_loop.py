@@ -17,7 +17,7 @@ from jaxlightning.metrics.logged import LogOptions
 from jaxlightning.metrics.objects import Rows
 from jaxlightning.module import JaxModule
 from jaxlightning.programs.compiled import batch_args
-from jaxlightning.programs.program import Program
+from jaxlightning.programs.evaluation import EvalPrograms
 from jaxlightning.progress import Progress
 from jaxlightning.reporting.report import Report, report
 from jaxlightning.reporting.reporter import Reporter
@@ -46,7 +46,7 @@ class EvalLoop:
 
     Args:
         pipeline: the batches of each loader.
-        program: the compiled evaluation steps and the variables they use.
+        programs: the compiled evaluation steps and the variables they use.
         hooks: callback and module hooks.
         reporter: where an evaluation's values go.
         progress: ``num_eval_batches`` is set here.
@@ -57,14 +57,15 @@ class EvalLoop:
     def __init__(
         self,
         pipeline: Pipeline,
-        program: Program,
+        programs: EvalPrograms,
         hooks: Hooks,
         reporter: Reporter,
         progress: Progress,
         resolve_checkpoint: Callable[[Any], str],
     ) -> None:
         self.pipeline = pipeline
-        self.program = program
+        self.programs = programs
+        self.held = programs.program.held  # throttles and fetches what evaluations return
         self.hooks = hooks
         self.reporter = reporter
         self.progress = progress
@@ -181,7 +182,7 @@ class EvalLoop:
             lambda state, swap=swap: swap(self.hooks.view, state)
             for _, swap in self.hooks.extensions.evaluation_variables
         ]
-        variables, fresh = self.program.eval_variables(module, first, checkpoint, swaps)
+        variables, fresh = self.programs.variables(module, first, checkpoint, swaps)
         if fresh:
             warnings.warn(
                 f"{type(module).__name__} has no trained variables (fit was not run and no "
@@ -205,7 +206,7 @@ class EvalLoop:
         epoch = self.progress.current_epoch
         with self.pipeline.eval_pass(loader, f"the {stage} dataloader", limit, epoch) as batches:
             variables = self._variables(module, batches.first, ckpt_path)
-            eval_step, acc, options = self.program.steps.eval_step(
+            eval_step, acc, options = self.programs.eval_step(
                 module, hook, batches.first, variables, dataloader_idx
             )
             ranked = [n for n, o in options.items() if o.metric is not None and o.metric.collects]
@@ -217,11 +218,11 @@ class EvalLoop:
                 acc = {n: m for n, m in out.items() if n in acc}
                 if kept:
                     steps.append({n: out[n] for n in kept})
-                self.program.held.throttle(out)
+                self.held.throttle(out)
                 self.hooks(f"on_{stage}_batch_end", module, batch_idx)
-            self.program.held.drain()
-        metrics = self.program.held.fetch(acc)
-        fetched = self.program.held.fetch(steps)
+            self.held.drain()
+        metrics = self.held.fetch(acc)
+        fetched = self.held.fetch(steps)
         for name in ranked:
             formula = options[name].metric.empty().formula  # type: ignore[union-attr]
             metrics[name] = Rows.concatenate([s[name] for s in fetched], formula)
@@ -259,19 +260,19 @@ class EvalLoop:
         return outputs if isinstance(dataloaders, (list, tuple)) else outputs[0]
 
     def _predict_loader(self, module: JaxModule, loader: Any, ckpt_path: Any, limit: Any) -> Any:
-        strategy = self.program.strategy
+        strategy = self.programs.strategy
         epoch = self.progress.current_epoch
         with self.pipeline.eval_pass(loader, "the predict dataloader", limit, epoch) as batches:
             variables = self._variables(module, batches.first, ckpt_path)
-            predict_step = self.program.steps.predict_step(module)
+            predict_step = self.programs.predict_step(module)
             outputs = []
             for batch_idx, batch in enumerate(batches):
                 self.hooks("on_predict_batch_start", module, batch_idx)
                 out = predict_step(variables, batch.data, batch.mask)
-                self.program.held.throttle(out)
+                self.held.throttle(out)
                 outputs.append((out, batch.host.real))
                 self.hooks("on_predict_batch_end", module, batch_idx)
-            self.program.held.drain()
+            self.held.drain()
         if jax.process_count() > 1:  # every process's rows, cut into the loader's batches
             whole = self._assemble(loader, [strategy.gather(o) for o, _ in outputs])
             rows, size = len(jax.tree.leaves(whole)[0]), loader.batch_size

@@ -168,6 +168,7 @@ class FitRun:
             self.program.compile(module, tx, example, threads)
             self.program.check_memory(module, tx, example)  # before anything runs
             self.program.hold(module, path)
+            self.evaluation.programs.forget()  # the evaluations compile for this fit's state
             if meta is not None:
                 resume.load_states(self.hooks, self.stages.datamodule, module, meta)
             self.stop.reset()

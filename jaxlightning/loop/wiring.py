@@ -30,6 +30,7 @@ from jaxlightning.loop.hooks import Hooks
 from jaxlightning.loop.stages import Stages
 from jaxlightning.loop.state_points import StatePoints
 from jaxlightning.loop.stop import StopPolicy
+from jaxlightning.programs.evaluation import EvalPrograms
 from jaxlightning.programs.program import Program
 from jaxlightning.progress import Progress
 from jaxlightning.reporting.reporter import Reporter, as_loggers
@@ -138,7 +139,8 @@ def wire(view: Any, args: TrainerArgs) -> Parts:
             ckpt_path, hooks.checkpoint_callback, reporter.loggers, s.default_root_dir
         )
 
-    evaluation = EvalLoop(pipeline, program, hooks, reporter, progress, resolve_ckpt_path)
+    programs = EvalPrograms(program)
+    evaluation = EvalLoop(pipeline, programs, hooks, reporter, progress, resolve_ckpt_path)
     points = StatePoints(hooks)
     log_every = checks.int_arg("log_every_n_steps", args.log_every_n_steps, minimum=1)
     groups = Groups(

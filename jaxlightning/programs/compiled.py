@@ -22,24 +22,20 @@ from jaxlightning.data import DeviceBatch
 from jaxlightning.data.convert import Rows
 from jaxlightning.data.resident import ResidentBatch
 from jaxlightning.module import JaxModule
-from jaxlightning.programs.multistep import host_steps, resident_eval, resident_step, resident_steps
+from jaxlightning.programs.multistep import host_steps, resident_step, resident_steps
 from jaxlightning.strategies import FSDPStrategy, ShardMapStrategy, Strategy
 from jaxlightning.training import contract
 from jaxlightning.training.precision import for_storage
 from jaxlightning.training.state import create_train_state
 from jaxlightning.training.step import (
-    Metrics,
     Options,
     StepOptions,
-    build_eval_step,
     build_flush,
-    build_predict_step,
     build_statistics_step,
     build_train_parts,
     build_train_step,
     checked_setup,
     is_manual,
-    zero_eval_metrics,
     zero_train_metrics,
 )
 from jaxlightning.xla import memory
@@ -80,9 +76,6 @@ class CompiledSteps:
         self.options = options
         self.seed = seed
         self._groups: dict[str, Any] = {}
-        self._eval_fns: dict[Any, Any] = {}
-        # The last evaluation's step and the shapes it was called with.
-        self._last_eval: tuple[Any, tuple[Any, ...]] | None = None
 
     def shard_rows(self, batch: DeviceBatch) -> int:
         return batch.host.mask.shape[0] // self.strategy.num_local_shards
@@ -300,76 +293,11 @@ class CompiledSteps:
             candidates.append(("strategy='fsdp'", lambda: peak_at(rows, accumulate, fsdp)))
         return memory.with_fixes(found, candidates)
 
-    # ----------------------------------------------------------- evaluation
-    def eval_step(
-        self,
-        module: JaxModule,
-        hook: str,
-        first: DeviceBatch,
-        variables: Any,
-        dataloader_idx: int | None = None,
-    ) -> tuple[Callable[..., Any], Metrics, Options]:
-        """The compiled evaluation of ``hook``, its empty accumulator and the
-        options of what it logs (compiled once per module, hook, shapes and,
-        with several loaders, loader index). It takes ``(variables, acc,
-        *batch_args(batch))``: a resident dataset's batch is gathered in its
-        dispatch (`multistep.resident_eval`)."""
-        example = shard_shapes(first.host.data, self.shard_rows(first))
-        shapes = (jax.tree.structure(example), tuple(jax.tree.leaves(example)))
-        resident = isinstance(first, ResidentBatch)
-        key = ("eval", hook, module, shapes, dataloader_idx, resident)
-        if key not in self._eval_fns:
-            compiled = self.strategy.compile(
-                build_eval_step(module, hook, self.options.precision, dataloader_idx),
-                sharded_args=(False, False, True, True),
-                sharded_out=False,
-            )
-            if resident:
-                compiled = resident_eval(compiled, *self.strategy.batch_placement)  # type: ignore[misc]
-            local = jax.eval_shape(self.strategy.unreplicate, variables)
-            zeros, options = zero_eval_metrics(module, hook, local, example, dataloader_idx)
-            self._eval_fns[key] = (compiled, self.strategy.replicate(zeros), options)
-        step = self._eval_fns[key]
-        call = (variables, step[1], *batch_args(first))
-        self._last_eval = (step[0], jax.tree.map(_abstract, call))
-        return step
-
-    def forget_evaluations(self) -> None:
-        """A new fit's state: the cached evaluations compile again."""
-        self._eval_fns.clear()
-
-    def eval_cost(self) -> StepCost | None:
-        """XLA's count of the last evaluation's step on one device (the compile
-        its calls used: found in JAX's cache, not compiled again); ``None``
-        before any evaluation, under pmap and in multi-process runs."""
-        if self._last_eval is None or jax.process_count() > 1:
-            return None
-        compiled, call = self._last_eval
-        return cost_of(compiled, *call)
-
-    def predict_step(self, module: JaxModule) -> Callable[..., Any]:
-        """The compiled ``predict_step`` of ``module`` (compiled once)."""
-        key = ("predict", module)
-        if key not in self._eval_fns:
-            self._eval_fns[key] = self.strategy.compile(
-                build_predict_step(module, self.options.precision),
-                sharded_args=(False, True, True),
-                sharded_out=True,
-            )
-        return self._eval_fns[key]
-
 
 def zeros_like_local(strategy: Strategy, tree: Any) -> Any:
     """Host zeros shaped as one device's copy of the placed ``tree``."""
     local = jax.eval_shape(strategy.unreplicate, tree)
     return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), local)
-
-
-def _abstract(x: Any) -> Any:
-    """A placed array's shape, dtype and sharding: what its compile depends on."""
-    if not isinstance(x, jax.Array):
-        return x
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
 
 
 def resident_bytes(example: Any) -> int:

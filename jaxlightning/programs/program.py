@@ -2,7 +2,7 @@
 
 The loops never touch state arrays: they hand the program device batches and
 ask its `HeldState` (``program.held``) for fetched metrics and checkpoint
-arrays, and its `CompiledSteps` (``program.steps``) for evaluation programs.
+arrays. Evaluation and prediction programs are `EvalPrograms`' (evaluation.py).
 
 Start-up order of a fit: XLA compiles the initial state on a worker thread
 while the main thread traces the train step, which then compiles in turn while
@@ -14,7 +14,7 @@ out (one still running in XLA when the process exits aborts it).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -23,13 +23,12 @@ import optax
 
 from jaxlightning.data import DeviceBatch
 from jaxlightning.data.resident import ResidentBatch
-from jaxlightning.io.checkpoint import restore, restore_variables
+from jaxlightning.io.checkpoint import restore
 from jaxlightning.module import JaxModule
 from jaxlightning.programs.compiled import CompiledSteps, batch_shapes, zeros_like_local
 from jaxlightning.programs.held_state import HeldState
 from jaxlightning.progress import Progress
 from jaxlightning.strategies import Strategy
-from jaxlightning.training.state import TrainState
 from jaxlightning.training.step import Options, StepOptions
 from jaxlightning.xla import memory
 from jaxlightning.xla.compiling import Precompiled, join_quietly
@@ -123,7 +122,6 @@ class Program:
             state, acc = restored["state"], restored["acc"]
         self.progress.micro = int(getattr(state, "micro", 0))  # since the last update
         self.held.hold(state, acc, acc0)
-        self.steps.forget_evaluations()
         self.fit_module = module
 
     def check_memory(
@@ -223,38 +221,6 @@ class Program:
         if int(n) == 0:
             return
         self.held.set_batch_stats(jax.tree.map(lambda total: np.asarray(total) / int(n), sums))
-
-    # ----------------------------------------------------------- evaluation
-    def eval_variables(
-        self,
-        module: JaxModule,
-        first: DeviceBatch,
-        checkpoint: str | None,
-        swaps: list[Callable[[TrainState], Any]],
-    ) -> tuple[Any, bool]:
-        """The placed variables an evaluation of ``module`` uses, and whether
-        they are fresh (neither trained nor loaded).
-
-        A ``checkpoint``'s variables (which the module then keeps); else, while
-        ``module`` is the one this program trains, the state's (or those a
-        callback swaps in: EMA); else the module's own, or freshly initialised.
-        """
-        if checkpoint is not None:
-            expected = self.steps.init_variables(module, first, abstract=True)
-            module.variables = restore_variables(checkpoint, expected)
-            self.forget(module)  # its variables no longer are the fit's state
-            layout = self.steps.variables_layout(module, first)
-            return self.strategy.place_variables(module.variables, layout), False
-        if self.held.started and self.fit_module is module:
-            state = self.held.live_state()
-            variables = state.variables
-            for swap in swaps:
-                variables = swap(state)
-            return variables, False
-        fresh = module.variables is None
-        variables = self.steps.init_variables(module, first)
-        layout = self.steps.variables_layout(module, first)
-        return self.strategy.place_variables(variables, layout), fresh
 
     def forget(self, module: JaxModule) -> None:
         """``module``'s variables were replaced: they no longer are the fit's state."""
