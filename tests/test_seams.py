@@ -80,8 +80,12 @@ class FakePipeline:
         self.calls.append(("per_epoch", loader))
         return self.per_epoch
 
-    def train_epoch(self, loader, epoch, skip):
-        self.calls.append(("epoch", loader, epoch, skip))
+    def train_path(self, loader):
+        self.calls.append(("path", loader))
+        return None  # the host path
+
+    def train_epoch(self, loader, epoch, skip, resident):
+        self.calls.append(("epoch", loader, epoch, skip, resident))
         return [f"e{epoch}b{i}" for i in range(skip, self.per_epoch or 0)]
 
 
@@ -96,17 +100,19 @@ def test_epoch_hands_back_the_opened_first_epoch_from_its_start_and_later_ones_f
     assert data.skip == 4 and pipeline.resume_state is None
 
     opened = data.open(1)
-    assert pipeline.calls[-1] == ("epoch", loader, 1, 4)
+    # where the batches come from is decided at the first pass, then kept
+    assert pipeline.calls[-2:] == [("path", loader), ("epoch", loader, 1, 4, None)]
     assert opened[0] == "e1b4"
     batches, start = data.epoch(1)
     assert batches is opened and start == 4
-    assert len(pipeline.calls) == 2  # not opened again
+    assert len(pipeline.calls) == 3  # not opened again
 
     batches, start = data.epoch(2)
     assert start == 0 and batches[0] == "e2b0"
-    assert pipeline.calls[-1] == ("epoch", loader, 2, 0)
+    assert pipeline.calls[-1] == ("epoch", loader, 2, 0, None)
     batches, start = data.epoch(1)  # the opened one was handed out: from 0 now
-    assert start == 0 and pipeline.calls[-1] == ("epoch", loader, 1, 0)
+    assert start == 0 and pipeline.calls[-1] == ("epoch", loader, 1, 0, None)
+    assert [c for c in pipeline.calls if c[0] == "path"] == [("path", loader)]
 
     assert data.batches_left(4, None) == 8
     assert data.batches_left(4, 3) == 3

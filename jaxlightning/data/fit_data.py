@@ -24,8 +24,10 @@ from jaxlightning.data import regrain
 from jaxlightning.data.convert import dataset_length, loader_batch_size
 from jaxlightning.data.pipeline import Pipeline
 from jaxlightning.data.prefetch import Batches, DeviceBatch
+from jaxlightning.data.resident import ResidentDataset
 from jaxlightning.data.stateful import decode, encode, grain_data_loader, iterates_statefully
 
+_UNCHOSEN = object()
 Group = list[tuple[int, Any]]  # (batch index in the epoch, device batch), in order
 
 
@@ -44,6 +46,20 @@ class FitData:
         self.per_epoch: int | None = pipeline.train_batches_per_epoch(loader)
         self.skip = 0  # the batch of its first epoch the fit starts at
         self._opened: tuple[int, Batches] | None = None  # the first epoch, opened ahead
+        self._resident: Any = _UNCHOSEN  # where the batches come from (`choose_path`)
+
+    def choose_path(self) -> ResidentDataset | None:
+        """Decides where this fit's batches come from, once (at its first
+        batch; again after the pipeline is sent to the host, when the dataset's
+        copy does not fit beside the step): the dataset kept on the devices, or
+        ``None``, the host."""
+        self._resident = self.pipeline.train_path(self.loader)
+        return self._resident
+
+    def _path(self) -> ResidentDataset | None:
+        if self._resident is _UNCHOSEN:
+            return self.choose_path()
+        return self._resident
 
     @property
     def trains(self) -> bool:
@@ -77,7 +93,8 @@ class FitData:
         """Opens the fit's first epoch, ``epoch``, from its start batch (the
         first batch ready on return): `epoch` hands it to the loop. Close it
         if the fit ends before."""
-        self._opened = (epoch, self.pipeline.train_epoch(self.loader, epoch, self.skip))
+        batches = self.pipeline.train_epoch(self.loader, epoch, self.skip, self._path())
+        self._opened = (epoch, batches)
         return self._opened[1]
 
     def epoch(self, epoch: int) -> tuple[Batches, int]:
@@ -86,11 +103,11 @@ class FitData:
         if self._opened is not None and self._opened[0] == epoch:
             (_, batches), self._opened = self._opened, None
             return batches, self.skip
-        return self.pipeline.train_epoch(self.loader, epoch, 0), 0
+        return self.pipeline.train_epoch(self.loader, epoch, 0, self._path()), 0
 
     def example(self) -> DeviceBatch:
         """The first batch of epoch 0, for shapes."""
-        return self.pipeline.example_batch(self.loader)
+        return self.pipeline.example_batch(self.loader, self._path())
 
     def batches_left(self, skip: int, until_max_steps: int | None) -> int | None:
         """Batches an epoch runs from batch ``skip``: the epoch's rest, or fewer

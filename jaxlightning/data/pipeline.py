@@ -137,10 +137,21 @@ class Pipeline:
         return n
 
     # ---------------------------------------------------------------- passes
-    def train_epoch(self, loader: Any, epoch: int, skip: int = 0) -> Batches:
+    def train_path(self, loader: Any) -> ResidentDataset | None:
+        """Where a fit's training batches come from, decided once per fit:
+        ``loader``'s dataset kept on the devices (``data_on_device`` asks for it,
+        and it is exact and fits), or ``None``: the host path."""
+        resident = self._resident(loader, "train", self.shuffle_train)
+        self.data_path = "host" if resident is None else "device"
+        return resident
+
+    def train_epoch(
+        self, loader: Any, epoch: int, skip: int = 0, resident: ResidentDataset | None = None
+    ) -> Batches:
         """Epoch ``epoch``'s training batches from batch ``skip`` on (at most the
-        limited count per epoch); the first is ready on return. A one-pass
-        iterable (a generator) trains one epoch; a second is a clear error."""
+        limited count per epoch), from ``resident`` (`train_path`) or the host;
+        the first is ready on return. A one-pass iterable (a generator) trains
+        one epoch; a second is a clear error."""
         if isinstance(loader, Iterator):
             if self._spent is loader:
                 raise TypeError(
@@ -151,8 +162,6 @@ class Pipeline:
                     "DataLoader, a list of batches, or an object whose __iter__ starts over"
                 )
             self._spent = loader
-        resident = self._resident(loader, "train", self.shuffle_train)
-        self.data_path = "host" if resident is None else "device"
         if resident is not None:
             indices: Iterable[Any] = resident.epoch(epoch, skip)
             per_epoch = self.train_batches_per_epoch(loader)
@@ -180,11 +189,10 @@ class Pipeline:
             buckets=bucket_sizes(loader),
         )
 
-    def example_batch(self, loader: Any) -> DeviceBatch:
+    def example_batch(self, loader: Any, resident: ResidentDataset | None = None) -> DeviceBatch:
         """The first training batch of epoch 0, for shapes (a resumed epoch may
-        have none left; ``limit_train_batches=0`` trains on none)."""
-        resident = self._resident(loader, "train", self.shuffle_train)
-        self.data_path = "host" if resident is None else "device"
+        have none left; ``limit_train_batches=0`` trains on none), from
+        ``resident`` (`train_path`) or the host."""
         if resident is not None:
             with self._start(resident.epoch(0), "train_dataloaders", 0, resident=resident) as b:
                 return b.first

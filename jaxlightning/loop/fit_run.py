@@ -112,6 +112,7 @@ class FitRun:
                     "data_on_device=False to skip the try)"
                 )
                 with self.pipeline.from_host():
+                    data.choose_path()
                     self._train(module, data, val, tx, path, meta)
         finally:
             self.data = None
