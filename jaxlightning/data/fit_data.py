@@ -45,6 +45,7 @@ class FitData:
         self.loader = loader
         self.per_epoch: int | None = pipeline.train_batches_per_epoch(loader)
         self.skip = 0  # the batch of its first epoch the fit starts at
+        self._state: dict | None = None  # a stateful loader's iterator state there
         self._opened: tuple[int, Batches] | None = None  # the first epoch, opened ahead
         self._resident: Any = _UNCHOSEN  # where the batches come from (`choose_path`)
 
@@ -85,15 +86,16 @@ class FitData:
         state = None
         if iterates_statefully(self.loader):
             state, skip = data_state(meta, self.loader, skip, processes, jax.process_index())
-        self.pipeline.resume_state = state
-        self.skip = skip
+        self.skip, self._state = skip, state
         return skip, state
 
     def open(self, epoch: int) -> Batches:
         """Opens the fit's first epoch, ``epoch``, from its start batch (the
         first batch ready on return): `epoch` hands it to the loop. Close it
         if the fit ends before."""
-        batches = self.pipeline.train_epoch(self.loader, epoch, self.skip, self._path())
+        batches = self.pipeline.train_epoch(
+            self.loader, epoch, self.skip, self._path(), self._state
+        )
         self._opened = (epoch, batches)
         return self._opened[1]
 

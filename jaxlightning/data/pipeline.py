@@ -116,9 +116,6 @@ class Pipeline:
         # user loader -> {role: what the Trainer iterates for it}; weak, so a
         # loader the user drops is not kept alive (with its workers) by the Trainer
         self._wrapped: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-        # a stateful training loader's iterator state to resume its epoch from
-        # (this process's, from a checkpoint), used by the first resumed pass
-        self.resume_state: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- counts
     def train_batches_per_epoch(self, loader: Any) -> int | None:
@@ -146,12 +143,18 @@ class Pipeline:
         return resident
 
     def train_epoch(
-        self, loader: Any, epoch: int, skip: int = 0, resident: ResidentDataset | None = None
+        self,
+        loader: Any,
+        epoch: int,
+        skip: int = 0,
+        resident: ResidentDataset | None = None,
+        state: dict[str, Any] | None = None,
     ) -> Batches:
         """Epoch ``epoch``'s training batches from batch ``skip`` on (at most the
         limited count per epoch), from ``resident`` (`train_path`) or the host;
-        the first is ready on return. A one-pass iterable (a generator) trains
-        one epoch; a second is a clear error."""
+        the first is ready on return. ``state``: a stateful loader's iterator
+        state at batch ``skip`` (grain's, from a checkpoint). A one-pass
+        iterable (a generator) trains one epoch; a second is a clear error."""
         if isinstance(loader, Iterator):
             if self._spent is loader:
                 raise TypeError(
@@ -170,7 +173,7 @@ class Pipeline:
             return self._start(
                 indices, "train_dataloaders", epoch, allow_empty=skip > 0, resident=resident
             )
-        ordered = self._ordered(loader, "train", epoch, skip, self.shuffle_train)
+        ordered = self._ordered(loader, "train", epoch, skip, self.shuffle_train, state)
         total = self._common_total(loader, ordered, skip)
         per_epoch = self.train_batches_per_epoch(loader)
         if self.schedule.limit_train_batches is not None and per_epoch is not None:
@@ -319,15 +322,18 @@ class Pipeline:
         return roles[role]
 
     def _ordered(
-        self, loader: Any, role: str, epoch: int, skip: int, shuffle: bool | None
+        self,
+        loader: Any,
+        role: str,
+        epoch: int,
+        skip: int,
+        shuffle: bool | None,
+        state: dict[str, Any] | None = None,
     ) -> Iterable[Any]:
         rank, replicas = jax.process_index(), jax.process_count()
-        if iterates_statefully(loader) and (replicas == 1 or not self.own_order):
-            state = None
-            if skip and role == "train":
-                state, self.resume_state = self.resume_state, None
-            if state is not None or not skip:  # else: loaded and dropped, below
-                return StatefulPass(loader, state)
+        stateful = iterates_statefully(loader) and (replicas == 1 or not self.own_order)
+        if stateful and (state is not None or not skip):  # else: loaded and dropped, below
+            return StatefulPass(loader, state)
         if self.own_order and ownable(loader):
 
             def make(ld: Any) -> OwnedOrder:
