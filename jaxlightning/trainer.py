@@ -97,14 +97,23 @@ class Trainer:
     ) -> None:
         self.args = TrainerArgs(**{k: v for k, v in locals().items() if k != "self"})
         parts = wire(self, self.args)
-        self.fast_dev_run, self.schedule = parts.fast_dev_run, parts.schedule
-        self.default_root_dir, self.strategy = parts.default_root_dir, parts.strategy
+        self.fast_dev_run = parts.fast_dev_run
+        self.schedule = parts.schedule
+        self.default_root_dir = parts.default_root_dir
+        self.strategy = parts.strategy
         self.callbacks: list[Callback] = parts.callbacks
-        self._progress, self._reporter, self._stop = parts.progress, parts.reporter, parts.stop
-        self._hooks, self._pipeline, self._program = parts.hooks, parts.pipeline, parts.program
-        self._stages, self._fit, self._fit_loop = parts.stages, parts.fit, parts.fit.fit_loop
+        self._progress = parts.progress
+        self._reporter = parts.reporter
+        self._stop = parts.stop
+        self._hooks = parts.hooks
+        self._pipeline = parts.pipeline
+        self._program = parts.program
+        self._stages = parts.stages
+        self._fit = parts.fit
+        self._fit_loop = parts.fit.fit_loop
         self._groups = parts.fit.fit_loop.groups
-        self._evaluation, self._resolve_ckpt_path = parts.evaluation, parts.resolve_ckpt_path
+        self._evaluation = parts.evaluation
+        self._resolve_ckpt_path = parts.resolve_ckpt_path
         self._lightning_module: JaxModule | None = None  # the module fit last
         self.edit = parts.editor  # what callbacks may change in a running fit's state
 

@@ -64,9 +64,16 @@ class FitRun:
         resolve_ckpt_path: Callable[[Any], str],
         default_epochs: bool,
     ) -> None:
-        self.pipeline, self.program, self.evaluation = pipeline, program, evaluation
-        self.fit_loop, self.hooks, self.reporter = fit_loop, hooks, reporter
-        self.progress, self.schedule, self.stop, self.stages = progress, schedule, stop, stages
+        self.pipeline = pipeline
+        self.program = program
+        self.evaluation = evaluation
+        self.fit_loop = fit_loop
+        self.hooks = hooks
+        self.reporter = reporter
+        self.progress = progress
+        self.schedule = schedule
+        self.stop = stop
+        self.stages = stages
         self.resolve_ckpt_path = resolve_ckpt_path
         self.default_epochs = default_epochs
         self.epoch_batches: tuple[int | None] | None = None  # the last fit's, once known
