@@ -690,3 +690,30 @@ def test_hooks_extensions_see_a_new_callback_that_replaced_a_freed_one():
         gc.collect()
         callbacks.append(Wanting())
         assert [type(c) for c, _ in hooks.extensions.wants_state_at] == [Wanting]
+
+
+@pytest.mark.parametrize(
+    "callback, needs",
+    [
+        (jl.LearningRateMonitor(logging_interval="epoch"), False),
+        (jl.LearningRateMonitor(logging_interval="step"), True),
+        (jl.LearningRateMonitor(), True),  # None: the rates at each logging interval
+        (jl.callbacks.Timer(duration={"minutes": 1}, interval="epoch"), False),
+        (jl.callbacks.Timer(duration={"minutes": 1}), True),
+        (jl.callbacks.Timer(), False),  # no limit: nothing to check
+        (jl.ModelCheckpoint(every_n_train_steps=5), False),  # ends a group there instead
+        (jl.ModelCheckpoint(train_time_interval=60), True),
+    ],
+    ids=[
+        "lr-epoch",
+        "lr-step",
+        "lr-none",
+        "timer-epoch",
+        "timer-step",
+        "timer-off",
+        "ckpt-steps",
+        "ckpt-time",
+    ],
+)
+def test_the_built_in_callbacks_say_whether_they_act_after_each_step(callback, needs):
+    assert needs_each_step(callback) is needs

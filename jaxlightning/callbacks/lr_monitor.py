@@ -262,6 +262,10 @@ class LearningRateMonitor(Callback):
         return f"{self.log_key_prefix}{base}" + (f"-{repeat}" if repeat else "")
 
     # -------------------------------------------------------------- logging
+    def needs_each_step(self) -> bool:
+        """Logging at the epoch reads no step's own state; at steps it does."""
+        return self.logging_interval != "epoch"
+
     def on_train_batch_start(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:
         """Before every ``log_every_n_steps``-th update (Lightning's steps) and while a
         requested stop waits."""

@@ -209,6 +209,10 @@ class Timer(Callback):
         if self.duration is not None:
             self._check(trainer, at_sync=True)
 
+    def needs_each_step(self) -> bool:
+        """A limit checked after each step stops at that step's own state."""
+        return self.interval == "step" and self.duration is not None
+
     def on_train_batch_end(self, trainer: TrainerView, module: JaxModule, batch_idx: int) -> None:
         if self.interval == "step" and self.duration is not None:
             self._check(trainer, at_sync=trainer.global_step % trainer.log_every_n_steps == 0)
