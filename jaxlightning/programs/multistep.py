@@ -50,7 +50,28 @@ def host_steps(
         stacked_rows = jax.tree.map(lambda *xs: jnp.stack(xs), *rows)
         return _scan(step, state, acc, (stacked, stacked_rows), lambda x: x)
 
-    return jax.jit(jl_train_steps, in_shardings=(None, None, batch, batch), donate_argnums=(0,))
+    return _keeping_layout(jl_train_steps, in_shardings=(None, None, batch, batch))
+
+
+def _keeping_layout(fn: Callable[..., Any], in_shardings: tuple[Any, ...]) -> Callable[..., Any]:
+    """``jax.jit(fn)`` over ``(state, acc, ...)`` whose state comes out laid
+    out as it went in (compiled once per layout of the state, the state
+    donated). Left to itself XLA may choose another sharding for the scan's
+    carry (a model-parallel bias split over the model axis), which the one-step
+    program, compiled for the state's own layout, then refuses."""
+    programs: dict[Any, Any] = {}
+
+    def call(state: Any, acc: Any, *rest: Any) -> Any:
+        layout = jax.tree.map(lambda x: x.sharding, state)
+        key = (jax.tree.structure(layout), tuple(jax.tree.leaves(layout)))
+        if key not in programs:
+            programs[key] = jax.jit(
+                fn, in_shardings=in_shardings, out_shardings=(layout, None), donate_argnums=(0,)
+            )
+        return programs[key](state, acc, *rest)
+
+    call.__name__ = call.__qualname__ = fn.__name__
+    return call
 
 
 def _gather(data: Any, indices: Any, rows: Rows, sharding: jax.sharding.Sharding) -> Any:
@@ -82,10 +103,8 @@ def resident_steps(
         gathered, rows = _gather(data, indices, rows, stacked)
         return _scan(step, state, acc, (gathered, rows), lambda x: x)
 
-    return jax.jit(
-        jl_resident_steps,
-        in_shardings=(None, None, replicated, stacked, stacked),
-        donate_argnums=(0,),
+    return _keeping_layout(
+        jl_resident_steps, in_shardings=(None, None, replicated, stacked, stacked)
     )
 
 
