@@ -1,5 +1,6 @@
-"""The compiled programs of a run: initialisation, the train step and its groups,
-evaluation and prediction, and what XLA says each costs.
+"""The compiled training programs of a run: initialisation, the train step and
+its groups, the accumulation flush, BatchNorm statistics, and what XLA says
+each costs and needs in memory (evaluation and prediction: `evaluation.py`).
 
 `CompiledSteps` builds and caches programs; it holds no train state (that is
 `HeldState`'s). Initial states compile with settings that favour compile time,

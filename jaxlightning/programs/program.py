@@ -37,7 +37,7 @@ from jaxlightning.xla.cost import StepCost, step_cost
 
 class Program:
     """A fit's train step (and its groups, its accumulation flush) over the
-    held state, and the variables an evaluation uses.
+    held state; started in three steps: `compile`, `check_memory`, `hold`.
 
     Args:
         strategy: lays out the state and compiles the per-device functions.
