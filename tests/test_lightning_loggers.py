@@ -142,3 +142,39 @@ def test_loggers_sharing_a_folder_share_the_run_version(tmp_path):
     )
     assert os.listdir(tmp_path / "lightning_logs") == ["version_0"]
     assert {"metrics.csv", "hparams.yaml"} <= set(os.listdir(loggers[1].log_dir))
+
+
+class StatusLogger(jl.loggers.Logger):
+    """A logger as Lightning writes one: ``finalize(self, status)``."""
+
+    log_dir = None
+
+    def __init__(self):
+        self.statuses = []
+
+    def log_hyperparams(self, params):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def finalize(self, status):
+        self.statuses.append(status)
+
+
+class FailsAtFirstStep(LitMLP):
+    def on_train_batch_start(self, batch_idx):
+        raise RuntimeError("stop here")
+
+
+def test_finalize_gets_lightnings_status():
+    """Lightning's Logger.finalize(status): "success" when a call ends, "failed"
+    when it raises (a ported logger with the argument no longer crashes the fit)."""
+    logger = StatusLogger()
+    trainer = quiet_trainer(max_epochs=1, logger=logger)
+    trainer.fit(LitMLP(), loader(*digits(32), 16))
+    assert logger.statuses == ["success"]
+    failing = StatusLogger()
+    with pytest.raises(RuntimeError, match="stop here"):
+        quiet_trainer(max_epochs=1, logger=failing).fit(FailsAtFirstStep(), loader(*digits(32), 16))
+    assert failing.statuses == ["failed"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import inspect
 import os
 import re
 import warnings
@@ -44,8 +45,11 @@ class Logger(abc.ABC):
         """Continues the run that logged into ``log_dir`` (called when `fit` resumes
         from a checkpoint, before anything is logged); by default ignored."""
 
-    def finalize(self) -> None:  # noqa: B027 - optional hook
-        """Flushes pending output."""
+    def finalize(self, status: str = "success") -> None:  # noqa: B027 - optional hook
+        """Flushes pending output when a Trainer call ends: ``status`` is
+        ``"success"``, or ``"failed"`` when it ended with an error (Lightning's
+        values). A ``finalize(self)`` of a logger written before is called
+        without it."""
 
     @property
     def experiment(self) -> Any:
@@ -88,9 +92,13 @@ def finalize_all(loggers: Sequence[Logger], *, quiet: bool = False) -> None:
     With ``quiet`` (a run already failing, whose error is the one to see),
     every failure becomes a warning."""
     failures: list[tuple[Logger, Exception]] = []
+    status = "failed" if quiet else "success"
     for logger in loggers:
         try:
-            logger.finalize()
+            if _takes_status(logger.finalize):
+                logger.finalize(status)
+            else:
+                logger.finalize()
         except Exception as exc:
             failures.append((logger, exc))
     for logger, exc in failures if quiet else failures[1:]:
@@ -155,3 +163,13 @@ class VersionedLogger(Logger):
         version = self.version
         folder = version if isinstance(version, str) else f"version_{version}"
         return storage.join(self.root_dir, folder)
+
+
+def _takes_status(finalize: Any) -> bool:
+    """Whether a logger's ``finalize`` takes Lightning's ``status``."""
+    try:
+        params = inspect.signature(finalize).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(p.kind in kinds or p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)

@@ -93,5 +93,5 @@ class CSVLogger(VersionedLogger):
                 csv.DictWriter(f, fieldnames=self._header).writerows(self._rows)
         self._rows = []
 
-    def finalize(self) -> None:
+    def finalize(self, status: str = "success") -> None:
         self.save()

@@ -167,7 +167,7 @@ class TensorBoardLogger(VersionedLogger):
         writer.file_writer.add_summary(experiment)
         self._summarised = names
 
-    def finalize(self) -> None:
+    def finalize(self, status: str = "success") -> None:
         # tensorboardX queues events for a writer thread that flush() does not
         # wait for; close() drains it. A later call opens a new event file (of
         # another name) in the same run directory, which TensorBoard reads as
