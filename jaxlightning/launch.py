@@ -45,6 +45,7 @@ def _child_env(rank: int, nprocs: int, port: int, devices: int | None) -> dict[s
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
             ENV_NUM_PROCESSES: str(nprocs),
             ENV_PROCESS_ID: str(rank),
+            "LOCAL_RANK": str(rank),  # every process of this launcher is on this machine
             "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
             "PYTHONUNBUFFERED": "1",
         }

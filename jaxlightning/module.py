@@ -217,6 +217,21 @@ class JaxModule:
         return list(self._trainer.loggers) if self._trainer is not None else []
 
     @property
+    def logger(self) -> Any:
+        """The running Trainer's first logger (``None`` without a Trainer or logger)."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def global_rank(self) -> int:
+        """This process's index in the job (0 without a Trainer)."""
+        return self._trainer.global_rank if self._trainer is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's index on its machine (0 without a Trainer)."""
+        return self._trainer.local_rank if self._trainer is not None else 0
+
+    @property
     def current_epoch(self) -> Any:
         """The epoch running (counting from 0). Inside a traced hook (`loss`,
         `eval_step`, ...) a traced int32 value, the epoch of the batch being

@@ -17,6 +17,7 @@ import jax
 from jaxlightning import checks
 from jaxlightning.callbacks import Callback
 from jaxlightning.callbacks.rollback import Rollback
+from jaxlightning.cluster import distributed
 from jaxlightning.data.arrays import as_eval_loaders, as_loader
 from jaxlightning.data.datamodule import fit_loaders, is_datamodule, stage_loaders
 from jaxlightning.loggers import Logger
@@ -149,6 +150,26 @@ class Trainer:
     check_val_every_n_epoch = _read("schedule", "check_val_every_n_epoch", "Validation epochs.")
     val_check_interval = _read("schedule", "val_check_interval", "When validation runs.")
     num_devices = _read("strategy", "num_devices", "Devices over all processes.")
+
+    @property
+    def global_rank(self) -> int:
+        """This process's index in the job (``jax.process_index()``)."""
+        return jax.process_index()
+
+    @property
+    def local_rank(self) -> int:
+        """This process's index among the job's processes on its machine."""
+        return distributed.local_rank()
+
+    @property
+    def world_size(self) -> int:
+        """The job's processes (``jax.process_count()``)."""
+        return jax.process_count()
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this is the job's process 0 (the one that writes logs)."""
+        return jax.process_index() == 0
     stage = _read("_stages", "stage", '"fit", "validate", "test" or "predict" while running.')
     interrupted = _read("_stages", "interrupted", "The last call failed or was interrupted.")
     datamodule = _read("_stages", "datamodule", "The datamodule of the last call with one.")

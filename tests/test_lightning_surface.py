@@ -227,3 +227,26 @@ def test_predict_returns_a_list_of_per_batch_outputs():
     assert trainer.predict(module, loader(X, Y, 24), return_predictions=False) is None
     joined = trainer.predict(module, loader(X, Y, 24), concatenate=True)
     np.testing.assert_allclose(joined["logits"], expected, atol=1e-4)
+
+
+class Ranks(LitMLP):
+    """Reads what Lightning modules read of their process in a host hook."""
+
+    def on_train_start(self):
+        self.seen = (self.global_rank, self.local_rank, self.logger)
+
+
+def test_the_module_and_trainer_know_their_process_and_logger(tmp_path, monkeypatch):
+    # Lightning's LightningModule.global_rank / local_rank / logger and the
+    # Trainer's global_rank / local_rank / world_size / is_global_zero.
+    module = Ranks()
+    assert (module.global_rank, module.local_rank, module.logger) == (0, 0, None)
+    logger = jl.CSVLogger(tmp_path)
+    trainer = quiet_trainer(max_steps=1, logger=logger)
+    trainer.fit(module, loader(X, Y, 16))
+    assert module.seen == (0, 0, logger)
+    assert (trainer.global_rank, trainer.world_size, trainer.is_global_zero) == (0, 1, True)
+    monkeypatch.setenv("SLURM_LOCALID", "2")
+    assert trainer.local_rank == 2  # SLURM's word for it
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert trainer.local_rank == 3  # the launcher's (torchrun's, this project's) first

@@ -131,6 +131,21 @@ def is_rank_zero() -> bool:
     return jax.process_index() == 0
 
 
+# Where a launcher says which process of its machine this is: the project's
+# launcher and torchrun (LOCAL_RANK), SLURM (SLURM_LOCALID).
+_LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID")
+
+
+def local_rank() -> int:
+    """This process's index among the job's processes on its machine
+    (Lightning's ``local_rank``): what the launcher says, else 0."""
+    for name in _LOCAL_RANK_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def broadcast(value: Any) -> Any:
     """Process 0's ``value`` on every process (a no-op when alone)."""
     if jax.process_count() == 1:
