@@ -363,6 +363,13 @@ class JaxModule:
         """The hook that returns the initial variables: ``setup`` or ``configure_model``."""
         return "configure_model" if cls._stage_setup() else "setup"
 
+    def configure_callbacks(self) -> Any:
+        """Callbacks this module brings (a callback or a list), merged into the
+        Trainer's at the start of each of its calls, as in Lightning: one of
+        a type the Trainer already has replaces those; `ModelCheckpoint` s run
+        last. By default none."""
+        return []
+
     def configure_optimizers(self) -> optax.GradientTransformation:
         """Returns the optax transformation that updates ``params``."""
         raise NotImplementedError(

@@ -560,3 +560,63 @@ def test_an_optimizer_without_an_injected_rate_is_refused_at_fit_start():
     with pytest.raises(ValueError, match=r"optax\.inject_hyperparams\(optax\.adam\)"):
         trainer.fit(LitMLP(hidden=8), one_batch(), one_batch())
     assert trainer.global_step == 0 and not seen.seen
+
+
+# Lightning: trainer/connectors/test_callback_connector.py::test_attach_model_callbacks
+# (GradientAccumulationScheduler, which jaxlightning has not, left out).
+def test_the_modules_callbacks_replace_those_of_their_type():
+    from jaxlightning.loop.hooks import Hooks
+
+    def attach(trainer_callbacks, model_callbacks):
+        class Module(LitMLP):
+            def configure_callbacks(self):
+                return model_callbacks
+
+        hooks = Hooks(list(trainer_callbacks), view=None)
+        hooks.attach_module_callbacks(Module())
+        return hooks.callbacks
+
+    early_stopping = jl.EarlyStopping(monitor="foo")
+    progress_bar = jl.callbacks.TQDMProgressBar()
+    lr_monitor = jl.LearningRateMonitor()
+    assert attach([], []) == []
+    assert attach([early_stopping], [progress_bar]) == [early_stopping, progress_bar]
+    assert attach([progress_bar, jl.EarlyStopping(monitor="foo")], [early_stopping]) == [
+        progress_bar,
+        early_stopping,
+    ]
+    several = [jl.LearningRateMonitor(), jl.EarlyStopping(monitor="foo")] * 2
+    assert attach(several, [early_stopping, lr_monitor]) == [early_stopping, lr_monitor]
+    both = [jl.LearningRateMonitor(), progress_bar, jl.EarlyStopping(monitor="foo")]
+    assert attach(both, [early_stopping, lr_monitor, early_stopping]) == [
+        progress_bar,
+        early_stopping,
+        lr_monitor,
+        early_stopping,
+    ]
+    checkpoint = jl.ModelCheckpoint()
+    assert attach([checkpoint, progress_bar], [lr_monitor]) == [
+        progress_bar,
+        lr_monitor,
+        checkpoint,
+    ]
+
+
+class Counting(jl.Callback):
+    def __init__(self):
+        self.epochs = 0
+
+    def on_train_epoch_end(self, trainer, module):
+        self.epochs += 1
+
+
+def test_a_fit_runs_the_callbacks_the_module_configures():
+    counting = Counting()
+
+    class WithCallbacks(LitMLP):
+        def configure_callbacks(self):
+            return counting  # one callback, not a list, as Lightning allows
+
+    trainer = lightning_trainer(max_epochs=2)
+    trainer.fit(WithCallbacks(hidden=8), batches(3))
+    assert counting.epochs == 2 and counting in trainer.callbacks

@@ -7,6 +7,7 @@ from typing import Any
 
 from jaxlightning.callbacks import Callback, EarlyStopping, ModelCheckpoint, TQDMProgressBar
 from jaxlightning.callbacks.base import Extensions
+from jaxlightning.cluster.rank_zero import rank_zero_info
 from jaxlightning.module import JaxModule
 from jaxlightning.training import contract
 
@@ -114,6 +115,27 @@ class Hooks:
             fn = getattr(callback, hook, None)
             if fn is not None:
                 fn(self.view, module, *args)
+
+    def attach_module_callbacks(self, module: JaxModule) -> None:
+        """Merges ``module.configure_callbacks()`` into the callbacks (the
+        Trainer's list itself), Lightning's rule: a returned callback replaces
+        those of its type, and `ModelCheckpoint` s move to the end."""
+        if not contract.overrides(module, "configure_callbacks"):
+            return
+        returned = module.configure_callbacks()
+        added = list(returned) if isinstance(returned, (list, tuple)) else [returned]
+        if not added:
+            return
+        types = {type(c) for c in added}
+        replaced = [type(c).__name__ for c in self.callbacks if type(c) in types]
+        if replaced:
+            rank_zero_info(
+                "The following callbacks returned in `configure_callbacks` will override "
+                f"existing callbacks passed to Trainer: {', '.join(sorted(set(replaced)))}"
+            )
+        merged = [c for c in self.callbacks if type(c) not in types] + added
+        last = [c for c in merged if isinstance(c, ModelCheckpoint)]
+        self.callbacks[:] = [c for c in merged if not isinstance(c, ModelCheckpoint)] + last
 
     def of_type(self, kind: type) -> list[Any]:
         """The callbacks that are instances of ``kind``."""

@@ -54,6 +54,7 @@ class Stages:
                     self.datamodule = datamodule
                     prepare_datamodule(datamodule, stage)
                 self.interrupted = False
+                self.hooks.attach_module_callbacks(module)  # before setup, as Lightning
                 self.hooks("setup", module, stage)
                 self.reporter.reset()  # each call reports its own values (Lightning's reset)
                 # One torch thread for in-process loading while XLA computes on the CPU.
