@@ -20,6 +20,8 @@ from jaxlightning.callbacks.rollback import Rollback
 from jaxlightning.cluster import distributed
 from jaxlightning.data.arrays import as_eval_loaders, as_loader
 from jaxlightning.data.datamodule import fit_loaders, is_datamodule, stage_loaders
+from jaxlightning.io.checkpoint import save_at
+from jaxlightning.io.checkpoint import weights_only as only_weights
 from jaxlightning.loggers import Logger
 from jaxlightning.loop.args import TrainerArgs
 from jaxlightning.loop.eval_loop import eval_hook
@@ -170,6 +172,7 @@ class Trainer:
     def is_global_zero(self) -> bool:
         """Whether this is the job's process 0 (the one that writes logs)."""
         return jax.process_index() == 0
+
     stage = _read("_stages", "stage", '"fit", "validate", "test" or "predict" while running.')
     interrupted = _read("_stages", "interrupted", "The last call failed or was interrupted.")
     datamodule = _read("_stages", "datamodule", "The datamodule of the last call with one.")
@@ -252,6 +255,23 @@ class Trainer:
         tree = self._program.held.checkpoint_tree()
         run = {"seed": self.seed, "log_dir": self.log_dir, "num_devices": self.num_devices}
         return tree, self._fit.checkpoint_record(module, **run)
+
+    def save_checkpoint(self, filepath: str | os.PathLike[str], weights_only: bool = False) -> str:
+        """Saves a checkpoint of the module this Trainer fits (or fit last) at
+        ``filepath``, as Lightning's: a checkpoint folder (orbax arrays and the
+        JSON record) that ``ckpt_path=filepath`` resumes, validates or tests
+        from and ``load_from_checkpoint`` reads; ``weights_only``: the
+        variables without the optimizer state. Returns the folder written."""
+        module = self._lightning_module
+        if module is None or not self._program.held.started:
+            raise RuntimeError(
+                "save_checkpoint needs a model this Trainer has fit (or is fitting): call "
+                "trainer.fit(model, ...) first"
+            )
+        tree, meta = self.checkpoint_payload(module)
+        if weights_only:
+            tree, meta = only_weights(tree), {**meta, "weights_only": True}
+        return save_at(os.fspath(filepath), self.global_step, tree, meta)
 
     # ------------------------------------------------------------------- fit
     def fit(

@@ -614,3 +614,35 @@ def test_model_checkpoint_path(tmp_path, logger_version, expected):
     ckpt_version = Path(trainer.checkpoint_callback.dirpath).parent.name
     assert ckpt_version == expected
     assert steps(tmp_path / "lightning_logs" / expected / "checkpoints") == [2]
+
+
+# Lightning: trainer.save_checkpoint(filepath) after fit, then ckpt_path=filepath
+# and load_from_checkpoint(filepath) (its checkpointing/test_trainer_checkpoint.py,
+# and the docs' "trainer.save_checkpoint('example.ckpt')").
+def test_save_checkpoint_writes_a_checkpoint_that_resumes_and_loads(tmp_path):
+    import jax
+
+    x, y = digits(48)
+
+    def fit(max_epochs, ckpt_path=None):
+        trainer = lightning_trainer(max_epochs=max_epochs, enable_checkpointing=False)
+        module = LitMLP(hidden=8)
+        trainer.fit(module, loader(x, y, 16), ckpt_path=ckpt_path)
+        return trainer, module
+
+    with pytest.raises(RuntimeError, match="call trainer.fit"):
+        lightning_trainer().save_checkpoint(tmp_path / "none")
+    first, module = fit(1)
+    path = first.save_checkpoint(tmp_path / "example.ckpt")
+    assert (
+        path == str(tmp_path / "example.ckpt") and read_meta(path)["progress"]["global_step"] == 3
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["example.ckpt"]  # no staging left
+    loaded = LitMLP.load_from_checkpoint(path)
+    same = jax.tree.map(np.array_equal, loaded.variables, module.variables)
+    assert all(jax.tree.leaves(same))
+    resumed, _ = fit(2, ckpt_path=path)
+    straight, _ = fit(2)
+    assert max_abs_diff(resumed.state.params, straight.state.params) == 0.0
+    light = first.save_checkpoint(tmp_path / "example.ckpt", weights_only=True)  # replaced
+    assert read_meta(light)["weights_only"] is True

@@ -558,6 +558,35 @@ def move_aside(dirpath: str, steps: list[int]) -> str:
     return dest
 
 
+def save_at(path: str, step: int, tree: Any, meta: Mapping[str, Any]) -> str:
+    """Writes one checkpoint folder at ``path`` and waits for it (what
+    ``trainer.save_checkpoint`` writes; one at ``path`` already is replaced once
+    the new one is complete). It is written beside ``path`` and moved there
+    whole, so ``path`` never holds half a checkpoint."""
+    if storage.is_remote(path) or jax.process_count() > 1:
+        where = "to a bucket" if storage.is_remote(path) else "in a multi-process run"
+        raise ValueError(
+            f"save_checkpoint({path!r}) {where} is not supported yet: a ModelCheckpoint "
+            "saves there (trainer.checkpoint_callback.save(trainer, module))"
+        )
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".jl-save-", dir=parent)
+    try:
+        writer = CheckpointWriter(staging, async_save=False)
+        try:
+            writer.save(step, tree, meta)
+        finally:
+            writer.close()
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.replace(os.path.join(staging, str(step)), path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
 def weights_only(tree: Mapping[str, Any]) -> dict[str, Any]:
     """What a checkpoint of weights only holds (``ModelCheckpoint(save_weights_only=True)``):
     of a checkpoint tree, the train state's ``step``, ``params`` and ``model_state``;
