@@ -147,11 +147,16 @@ class Trainer:
     seed = _read("_program", "seed", "The run's seed.")
     steps_per_dispatch = _read("_groups", "size", "Train steps the last fit ran per dispatch.")
     log_every_n_steps = _read("_fit_loop", "log_every_n_steps", "The logging interval.")
-    max_epochs = _read("schedule", "max_epochs", "The epoch limit (``None``: none).")
     max_steps = _read("schedule", "max_steps", "The step limit (-1: none).")
     check_val_every_n_epoch = _read("schedule", "check_val_every_n_epoch", "Validation epochs.")
     val_check_interval = _read("schedule", "val_check_interval", "When validation runs.")
     num_devices = _read("strategy", "num_devices", "Devices over all processes.")
+
+    @property
+    def max_epochs(self) -> int:
+        """The epoch limit (-1: none, as Lightning reads ``max_epochs=-1``)."""
+        limit = self.schedule.max_epochs
+        return -1 if limit is None else limit
 
     @property
     def global_rank(self) -> int:

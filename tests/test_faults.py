@@ -343,7 +343,7 @@ def test_bad_trainer_arguments_are_named(kwargs, error, message):
 def test_max_epochs_minus_one_means_no_epoch_limit():
     trainer = quiet_trainer(max_epochs=-1, max_steps=12)
     trainer.fit(LitMLP(), loader(*digits(40), 8))  # 5 steps per epoch
-    assert trainer.max_epochs is None
+    assert trainer.max_epochs == -1  # as Lightning reads it
     # epochs 0 and 1, and epoch 2 cut short by max_steps: Lightning counts all three
     assert trainer.global_step == 12 and trainer.current_epoch == 3
 

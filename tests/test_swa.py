@@ -225,7 +225,7 @@ def test_no_epoch_limit_averages_until_the_fit_ends(cos_run):
     callback, bounded, _ = cos_run
     unbounded = swa()
     module, trainer = fit([unbounded], max_epochs=-1, max_steps=EPOCHS * 3)
-    assert trainer.max_epochs is None and unbounded.swa_end == math.inf
+    assert trainer.max_epochs == -1 and unbounded.swa_end == math.inf
     assert unbounded.n_averaged == callback.n_averaged == 4
     assert max_abs_diff(module.variables["params"], bounded.variables["params"]) == 0
     with pytest.raises(ValueError, match=r"swa_epoch_start=0.5\) is a share of max_epochs"):

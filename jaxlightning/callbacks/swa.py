@@ -271,10 +271,10 @@ class StochasticWeightAveraging(Callback):
         return optax.chain(tx, swa_transform(rate, self.avg_fn))
 
     def on_fit_start(self, trainer: TrainerView, module: JaxModule) -> None:
-        max_epochs = trainer.max_epochs  # None: no epoch limit (max_epochs=-1)
+        max_epochs = trainer.max_epochs  # -1: no epoch limit
         start = self.swa_epoch_start
         if isinstance(start, float):
-            if max_epochs is None:
+            if max_epochs < 0:
                 raise ValueError(
                     f"StochasticWeightAveraging(swa_epoch_start={start}) is a share of "
                     "max_epochs, and this fit has no epoch limit (max_epochs=-1): give the "
@@ -284,7 +284,7 @@ class StochasticWeightAveraging(Callback):
         # Without an epoch limit SWA runs from its start to the fit's end (max_steps,
         # a stop), where the average is taken.
         self._start = max(start - 1, 0)
-        self._end = max_epochs - 1 if max_epochs is not None else math.inf
+        self._end = max_epochs - 1 if max_epochs >= 0 else math.inf
 
     def on_train_epoch_start(self, trainer: TrainerView, module: JaxModule) -> None:
         epoch = trainer.current_epoch

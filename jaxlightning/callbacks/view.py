@@ -113,7 +113,8 @@ class TrainerView(Protocol):
     @property
     def num_eval_batches(self) -> int | None: ...
     @property
-    def max_epochs(self) -> int | None: ...
+    def max_epochs(self) -> int:
+        """The epoch limit (-1: none)."""
     @property
     def max_steps(self) -> int: ...
     @property
