@@ -646,3 +646,22 @@ def test_save_checkpoint_writes_a_checkpoint_that_resumes_and_loads(tmp_path):
     assert max_abs_diff(resumed.state.params, straight.state.params) == 0.0
     light = first.save_checkpoint(tmp_path / "example.ckpt", weights_only=True)  # replaced
     assert read_meta(light)["weights_only"] is True
+
+
+class LegacyKeyed(jl.Callback):
+    """A callback whose ``state_key`` is its type (Lightning's legacy key)."""
+
+    @property
+    def state_key(self):
+        return type(self)
+
+    def state_dict(self):
+        return {"seen": 1}
+
+
+def test_a_callback_keyed_by_its_type_is_saved_under_its_name(tmp_path):
+    # Lightning accepts a type as state_key; the JSON record keeps its name
+    trainer = lightning_trainer(max_epochs=1, callbacks=[LegacyKeyed()])
+    trainer.fit(LitMLP(hidden=8), loader(*digits(32), 16))
+    meta = read_meta(trainer.save_checkpoint(tmp_path / "c"))
+    assert meta["callbacks"]["LegacyKeyed"] == {"seen": 1}

@@ -178,3 +178,13 @@ def test_finalize_gets_lightnings_status():
     with pytest.raises(RuntimeError, match="stop here"):
         quiet_trainer(max_epochs=1, logger=failing).fit(FailsAtFirstStep(), loader(*digits(32), 16))
     assert failing.statuses == ["failed"]
+
+
+@pytest.mark.parametrize("kind", [jl.CSVLogger, jl.TensorBoardLogger])
+def test_log_hyperparams_without_params_writes_an_empty_file(tmp_path, kind):
+    """Lightning's loggers take ``log_hyperparams()`` with no params (``None``)."""
+    logger = kind(tmp_path)
+    logger.log_hyperparams()
+    logger.finalize("success")
+    with open(os.path.join(logger.log_dir, "hparams.yaml")) as f:
+        assert yaml.safe_load(f) in ({}, None)

@@ -51,10 +51,11 @@ class CSVLogger(VersionedLogger):
     def experiment(self) -> CSVLogger | None:
         return self if distributed.is_rank_zero() else None
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+    def log_hyperparams(self, params: Mapping[str, Any] | None = None) -> None:
+        """Writes ``params`` (none: an empty file, as Lightning) to ``hparams.yaml``."""
         if not distributed.is_rank_zero():
             return
-        write_hparams_yaml(self.log_dir, params)
+        write_hparams_yaml(self.log_dir, params or {})
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """One row; without ``step``, the row's number in this logger (Lightning's)."""

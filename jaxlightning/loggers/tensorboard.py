@@ -128,7 +128,7 @@ class TensorBoardLogger(VersionedLogger):
         return True
 
     def log_hyperparams(
-        self, params: Mapping[Any, Any], metrics: Mapping[str, float] | None = None
+        self, params: Mapping[Any, Any] | None = None, metrics: Mapping[str, float] | None = None
     ) -> None:
         """Writes ``params`` to the HPARAMS tab and to ``hparams.yaml`` in the
         run directory (Lightning's file); ``metrics`` are logged at step 0."""
@@ -136,7 +136,7 @@ class TensorBoardLogger(VersionedLogger):
         # hparams summaries into this run instead so TensorBoard shows one run.
         # The experiment summary, which lists the HPARAMS tab's metric columns,
         # is written when the run's metric names are known (`finalize`).
-        params = flat_params(params)
+        params = flat_params(params or {})
         self._hparams = {k: _hparam_value(v) for k, v in params.items()}
         self._summarised = frozenset()
         if self.writer is None:

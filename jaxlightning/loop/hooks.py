@@ -166,7 +166,9 @@ class Hooks:
         for cb in self.callbacks:
             name = type(cb).__name__
             if not legacy:
-                name = getattr(cb, "state_key", None) or name
+                key = getattr(cb, "state_key", None)
+                # a type (Lightning's legacy key): its name, which JSON can hold
+                name = (key.__qualname__ if isinstance(key, type) else key) or name
             seen[name] = seen.get(name, 0) + 1
             keys.append((name if seen[name] == 1 else f"{name}_{seen[name]}", cb))
         return keys
