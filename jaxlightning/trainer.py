@@ -364,7 +364,7 @@ class Trainer:
     ) -> list[dict[str, float]]:
         call = "validate" if stage == "validation" else stage
         with self._stages.running(call, module, datamodule):
-            dataloaders = as_eval_loaders(stage_loaders(stage, dataloaders, datamodule))
+            dataloaders = as_eval_loaders(stage_loaders(stage, dataloaders, datamodule, module))
             checks.module_hooks(module, eval_hook(module, stage))
             self._reporter.fix_run_dirs()  # on every process at once
             return self._evaluation.run(stage, module, dataloaders, ckpt_path)
@@ -397,7 +397,8 @@ class Trainer:
             "predict", module, dataloaders, datamodule
         )
         with self._stages.running("predict", module, datamodule):
-            dataloaders = as_eval_loaders(stage_loaders("predict", dataloaders, datamodule))
+            loaders = stage_loaders("predict", dataloaders, datamodule, module)
+            dataloaders = as_eval_loaders(loaders)
             checks.module_hooks(module, "predict_step")
             out = self._evaluation.predict(module, dataloaders, ckpt_path, concatenate)
         return None if return_predictions is False else out

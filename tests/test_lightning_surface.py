@@ -250,3 +250,31 @@ def test_the_module_and_trainer_know_their_process_and_logger(tmp_path, monkeypa
     assert trainer.local_rank == 2  # SLURM's word for it
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert trainer.local_rank == 3  # the launcher's (torchrun's, this project's) first
+
+
+class OwnLoaders(WithForward):
+    """A module that brings its loaders, as a LightningModule may."""
+
+    def train_dataloader(self):
+        return loader(X, Y, 16)
+
+    def test_dataloader(self):
+        return loader(VX, VY, 8)
+
+    def predict_dataloader(self):
+        return loader(VX, VY, 8)
+
+
+def test_test_and_predict_read_the_modules_own_loaders():
+    # Lightning: trainer.test(model) / predict(model) with no loaders use the
+    # module's test_dataloader() / predict_dataloader()
+    trainer = quiet_trainer(max_epochs=1, stage_prefix=False)
+    module = OwnLoaders()
+    trainer.fit(module)
+    (results,) = trainer.test(module)
+    logits = np_logits(module.variables["params"], VX)
+    assert results["acc"] == pytest.approx(float(np.mean(logits.argmax(-1) == VY)))
+    out = trainer.predict(module, concatenate=True)
+    np.testing.assert_allclose(out["logits"], logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(TypeError, match=r"val_dataloader\(\)"):
+        trainer.validate(module)  # it brings no validation loader

@@ -98,12 +98,19 @@ def prepare(datamodule: Any, stage: str) -> None:
         datamodule.setup(stage)
 
 
-def stage_loaders(stage: str, dataloaders: Any, datamodule: Any) -> Any:
+def stage_loaders(stage: str, dataloaders: Any, datamodule: Any, module: Any = None) -> Any:
     """The loaders of a ``validate``/``test``/``predict`` call: given, or the
-    datamodule's (not both)."""
+    datamodule's (not both), or, with neither, the module's own
+    ``val_dataloader``/``test_dataloader``/``predict_dataloader`` where it
+    defines one (as Lightning)."""
     if datamodule is None:
+        if dataloaders is None and module is not None and defines_loader(module, stage):
+            return loaders(module, stage, required=True)
         if dataloaders is None:
-            raise TypeError(f"{stage} needs dataloaders (or datamodule=...)")
+            name = _LOADER_OF_STAGE[stage]
+            raise TypeError(
+                f"{stage} needs dataloaders (or datamodule=..., or a module defining {name}())"
+            )
         return dataloaders
     if dataloaders is not None:
         raise ValueError(f"pass either dataloaders or datamodule= to {stage}, not both")
