@@ -88,6 +88,17 @@ class Progress:
             self.data_state = None
         self.epoch_offset = self.global_step * self.accumulate + self.micro - skip
 
+    def rewind(self, global_step: int, micro: int) -> int:
+        """Goes back to update ``global_step`` (``micro`` micro-batches into the
+        next) while the data reads on from ``position``: the epoch's batch
+        numbering moves so that the next batch is the device's number after
+        that point. Returns the epoch's batch training goes on at."""
+        epoch, batch = self.position
+        done = batch if epoch == self.current_epoch else 0
+        self.global_step, self.micro = global_step, micro
+        self.epoch_offset = global_step * self.accumulate + micro - done
+        return done
+
     def count_micro_batch(self) -> bool:
         """Counts a dispatched micro-batch; whether it completed an update."""
         self.total_batches += 1

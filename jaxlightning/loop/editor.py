@@ -75,12 +75,7 @@ class StateEditor:
         Returns the epoch and its batch training goes on at."""
         snapshot, step, micro = point
         self._started("go_back").restore(snapshot)
-        progress = self._progress
-        progress.global_step, progress.micro = step, micro
-        epoch, batch = progress.position
-        done = batch if epoch == progress.current_epoch else 0
-        progress.epoch_offset = step * progress.accumulate + micro - done
-        return progress.current_epoch, done
+        return self._progress.current_epoch, self._progress.rewind(step, micro)
 
     def batches_trained(self) -> int:
         """Training batches of the fit so far (micro-batches one by one)."""

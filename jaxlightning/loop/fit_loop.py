@@ -7,6 +7,7 @@ import contextlib
 import itertools
 from typing import Any
 
+from jaxlightning.data import Batches
 from jaxlightning.data.fit_data import FitData
 from jaxlightning.loop.eval_loop import EvalLoop
 from jaxlightning.loop.groups import Groups
@@ -130,7 +131,7 @@ class FitLoop:
         module: JaxModule,
         data: FitData,
         val_loaders: Any,
-        batches: Any,
+        batches: Batches,
         epoch: int,
         skip: int,
     ) -> None:
