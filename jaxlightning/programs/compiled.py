@@ -182,17 +182,21 @@ class CompiledSteps:
         """The program that applies a partial accumulation window."""
         return self.strategy.compile_global(build_flush(tx, self.options))
 
-    def group(self, resident: bool) -> Any:
+    def group(self, resident: bool, state: Any) -> Any:
         """The program that runs the train step over a group of batches: gathered
-        from the resident dataset inside it, or handed over as host batches."""
+        from the resident dataset inside it, or handed over as host batches. It
+        is built at the fit's first group, for the layout of the held ``state``
+        (which it keeps)."""
         kind = "resident" if resident else "host"
         if kind not in self._groups:
             step = self._groups["step"]
+            layout = jax.tree.map(lambda x: x.sharding, state)
             if resident:
                 replicated, sharded = self.strategy.batch_placement  # type: ignore[misc]
-                self._groups[kind] = resident_steps(step, replicated, sharded)
+                self._groups[kind] = resident_steps(step, replicated, sharded, layout)
             else:  # a ShardMapStrategy's (the only one that groups steps)
-                self._groups[kind] = host_steps(step, self.strategy.batch_sharding)  # type: ignore[attr-defined]
+                sharding = self.strategy.batch_sharding  # type: ignore[attr-defined]
+                self._groups[kind] = host_steps(step, sharding, layout)
         return self._groups[kind]
 
     def resident_step(self) -> Any:

@@ -35,7 +35,7 @@ def _scan(step: Callable[..., Any], state: Any, acc: Any, xs: Any, batch_of: Any
 
 
 def host_steps(
-    step: Callable[..., Any], batch: jax.sharding.Sharding
+    step: Callable[..., Any], batch: jax.sharding.Sharding, layout: Any
 ) -> Callable[[Any, Any, tuple[Any, ...], tuple[Rows, ...]], tuple[Any, Any]]:
     """``(state, acc, batches, rows) -> (state, acc)``: ``step`` over a tuple of
     placed (or host) batches and their `Rows`, stacked inside the program.
@@ -43,6 +43,7 @@ def host_steps(
     Args:
         step: the compiled ``(state, acc, batch, rows) -> (state, acc)``.
         batch: the sharding of one batch (rows split over the data axis).
+        layout: the state's shardings, which the state keeps (`_keeping_layout`).
     """
 
     def jl_train_steps(state, acc, batches, rows):
@@ -50,28 +51,16 @@ def host_steps(
         stacked_rows = jax.tree.map(lambda *xs: jnp.stack(xs), *rows)
         return _scan(step, state, acc, (stacked, stacked_rows), lambda x: x)
 
-    return _keeping_layout(jl_train_steps, in_shardings=(None, None, batch, batch))
+    return _keeping_layout(jl_train_steps, (None, None, batch, batch), layout)
 
 
-def _keeping_layout(fn: Callable[..., Any], in_shardings: tuple[Any, ...]) -> Callable[..., Any]:
-    """``jax.jit(fn)`` over ``(state, acc, ...)`` whose state comes out laid
-    out as it went in (compiled once per layout of the state, the state
-    donated). Left to itself XLA may choose another sharding for the scan's
-    carry (a model-parallel bias split over the model axis), which the one-step
-    program, compiled for the state's own layout, then refuses."""
-    programs: dict[Any, Any] = {}
-
-    def call(state: Any, acc: Any, *rest: Any) -> Any:
-        layout = jax.tree.map(lambda x: x.sharding, state)
-        key = (jax.tree.structure(layout), tuple(jax.tree.leaves(layout)))
-        if key not in programs:
-            programs[key] = jax.jit(
-                fn, in_shardings=in_shardings, out_shardings=(layout, None), donate_argnums=(0,)
-            )
-        return programs[key](state, acc, *rest)
-
-    call.__name__ = call.__qualname__ = fn.__name__
-    return call
+def _keeping_layout(fn: Callable[..., Any], in_shardings: tuple[Any, ...], layout: Any) -> Any:
+    """``jax.jit(fn)`` over ``(state, acc, ...)`` whose state comes out with
+    the shardings ``layout`` (the held state's), the state donated. Left to
+    itself XLA may choose another sharding for the scan's carry (a
+    model-parallel bias split over the model axis), which the one-step program,
+    compiled for the state's own layout, then refuses."""
+    return jax.jit(fn, in_shardings=in_shardings, out_shardings=(layout, None), donate_argnums=(0,))
 
 
 def _gather(data: Any, indices: Any, rows: Rows, sharding: jax.sharding.Sharding) -> Any:
@@ -89,12 +78,16 @@ def _gather(data: Any, indices: Any, rows: Rows, sharding: jax.sharding.Sharding
 
 
 def resident_steps(
-    step: Callable[..., Any], replicated: jax.sharding.Sharding, batch: jax.sharding.Sharding
+    step: Callable[..., Any],
+    replicated: jax.sharding.Sharding,
+    batch: jax.sharding.Sharding,
+    layout: Any,
 ) -> Callable[[Any, Any, Any, Any, Rows], tuple[Any, Any]]:
     """``(state, acc, data, indices, rows) -> (state, acc)``: ``step`` over a
     group of batches of a dataset resident on the devices (``data``, whole on
     every device), gathered from their row ``indices`` (``(k, rows)``) in the
-    same dispatch (`_gather`), with their `Rows` (each ``(k, rows)``)."""
+    same dispatch (`_gather`), with their `Rows` (each ``(k, rows)``); the
+    state keeps the shardings ``layout``."""
     mesh = batch.mesh  # type: ignore[attr-defined]
     spec = batch.spec  # type: ignore[attr-defined]
     stacked = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec))
@@ -103,9 +96,7 @@ def resident_steps(
         gathered, rows = _gather(data, indices, rows, stacked)
         return _scan(step, state, acc, (gathered, rows), lambda x: x)
 
-    return _keeping_layout(
-        jl_resident_steps, in_shardings=(None, None, replicated, stacked, stacked)
-    )
+    return _keeping_layout(jl_resident_steps, (None, None, replicated, stacked, stacked), layout)
 
 
 def _gathering(fn: Callable[..., Any], batch: jax.sharding.Sharding, default: str) -> Any:

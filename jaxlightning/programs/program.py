@@ -197,10 +197,12 @@ class Program:
         if resident is not None and all(getattr(b, "dataset", None) is resident for b in batches):
             indices = np.stack([b.indices for b in batches])
             rows = jax.tree.map(lambda *r: np.stack(r), *(b.rows for b in batches))
-            self.held.advance(self.steps.group(resident=True), resident.data, indices, rows)
+            program = self.steps.group(resident=True, state=self.held.live_state())
+            self.held.advance(program, resident.data, indices, rows)
         else:
             data, masks = tuple(b.data for b in batches), tuple(b.mask for b in batches)
-            self.held.advance(self.steps.group(resident=False), data, masks)
+            program = self.steps.group(resident=False, state=self.held.live_state())
+            self.held.advance(program, data, masks)
 
     def flush(self) -> None:
         """Applies the gradient accumulated so far (an epoch ending between updates)."""
