@@ -176,7 +176,7 @@ class Trainer:
     @property
     def is_global_zero(self) -> bool:
         """Whether this is the job's process 0 (the one that writes logs)."""
-        return jax.process_index() == 0
+        return distributed.is_rank_zero()
 
     stage = _read("_stages", "stage", '"fit", "validate", "test" or "predict" while running.')
     interrupted = _read("_stages", "interrupted", "The last call failed or was interrupted.")

@@ -116,8 +116,3 @@ def attached(module: JaxModule, trainer: Any, host_log: Any) -> Iterator[None]:
         yield
     finally:
         module._trainer, module._host_log = previous
-
-
-def current_variables(module: JaxModule) -> Any:
-    """The variables the module computes with now (the live state while it fits)."""
-    return module._current_variables()
