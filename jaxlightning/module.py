@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxlightning.io.checkpoint import read_meta, restore_variables
 from jaxlightning.io.export import export_predict
-from jaxlightning.metrics.logged import REDUCTIONS, LogOptions
+from jaxlightning.metrics.logged import REDUCTIONS, LogOptions, reduction
 from jaxlightning.metrics.objects import MetricObject
 
 
@@ -77,7 +77,7 @@ def _check_loggable(
     hook: str,
     add_dataloader_idx: bool,
     *,
-    reduce_fx: str = "mean",
+    reduce_fx: Any = "mean",
     host: bool = False,
 ) -> None:
     """Lightning's checks of a ``self.log`` call that hold wherever it is made,
@@ -97,7 +97,7 @@ def _check_loggable(
                 "devices over the rows of a traced hook; log it in eval_step, "
                 "validation_step, test_step or loss, or log a number here"
             )
-        if reduce_fx != "mean":
+        if reduction(reduce_fx) != "mean":
             raise ValueError(
                 f"self.log({name!r}, {value!r}, reduce_fx={reduce_fx!r}): a metric object "
                 "reduces itself over every real row of the run; leave reduce_fx at 'mean' "
@@ -547,7 +547,7 @@ class JaxModule:
         on_epoch: bool | None = None,
         prog_bar: bool = False,
         logger: bool | None = None,
-        reduce_fx: str = "mean",
+        reduce_fx: str | Callable[..., Any] = "mean",
         sync_dist: bool = False,
         batch_size: int | None = None,
         rank_zero_only: bool = False,
@@ -557,7 +557,8 @@ class JaxModule:
 
         ``value`` is a scalar or a per-example vector (booleans count as 0/1).
         It is reduced with ``reduce_fx`` (``"mean"``, ``"sum"``, ``"max"``,
-        ``"min"``) exactly over the real examples of every device: padded rows
+        ``"min"``, in any case, ``"avg"``; or the function ``max``, ``min``,
+        ``sum``, ``torch.max``, ``np.mean``, ...) exactly over the real examples of every device: padded rows
         never count. A per-example vector counts each real row. A scalar is
         this device's value for its shard, weighted by the shard's real rows:
         with ``"mean"`` a shard mean averages exactly across devices; with
@@ -681,7 +682,7 @@ class JaxModule:
         on_epoch: bool | None,
         prog_bar: bool,
         logger: bool,
-        reduce_fx: str,
+        reduce_fx: Any,
         add_dataloader_idx: bool,
     ) -> None:
         """`log` from a traced hook: the value and its `LogOptions` go to the
@@ -715,12 +716,15 @@ class JaxModule:
         on_epoch: bool | None,
         prog_bar: bool,
         logger: bool,
-        reduce_fx: str,
+        reduce_fx: Any,
         add_dataloader_idx: bool = True,
     ) -> LogOptions:
-        if reduce_fx not in REDUCTIONS:
+        if (reduced := reduction(reduce_fx)) is None:
             raise ValueError(
-                f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}): use one of {REDUCTIONS}"
+                f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}): use one of {REDUCTIONS} "
+                "(any case, or 'avg'), or the function max, min, sum (Python's, NumPy's, "
+                "JAX's or torch's) or mean; the reduction runs on the devices, so other "
+                "functions cannot be used"
             )
         training = self._hook in _TRAINING_HOOKS
         on_step = training if on_step is None else bool(on_step)
@@ -731,7 +735,7 @@ class JaxModule:
                 "nothing; set one of them"
             )
         return LogOptions(
-            on_step, on_epoch, bool(prog_bar), bool(logger), reduce_fx, bool(add_dataloader_idx)
+            on_step, on_epoch, bool(prog_bar), bool(logger), reduced, bool(add_dataloader_idx)
         )
 
     @contextlib.contextmanager

@@ -237,8 +237,9 @@ def test_nonfinite_loss_stops_with_step_and_keeps_last_good_checkpoint(tmp_path)
     x[43] = np.nan  # batch 5 (rows 40-47) of epoch 0: step 6
     ckpt = jl.ModelCheckpoint(every_n_train_steps=2)
     trainer = quiet_trainer(max_epochs=3, default_root_dir=tmp_path, callbacks=[ckpt])
-    with pytest.raises(jl.NonFiniteLossError, match=r"step 6 \(epoch 0, batch 5\)"):
+    with pytest.raises(jl.NonFiniteLossError, match=r"step 6 \(epoch 0, batch 5\)") as info:
         trainer.fit(LitMLP(), loader(x, y, 8))
+    assert isinstance(info.value, RuntimeError)  # Lightning's type for it (detect_anomaly)
     assert [Path(p).name for p in complete_checkpoints(tmp_path / "checkpoints")] == ["4"]
 
     lenient = quiet_trainer(max_epochs=1, stop_on_nonfinite_loss=False)

@@ -202,6 +202,47 @@ def test_sum_of_a_scalar_counts_once_per_step():
     assert metrics["bar_2"] == 1
 
 
+@pytest.mark.parametrize(
+    ("reduce_fx", "expected"),
+    [("avg", 2.5), ("SUM", 10.0), ("Max", 4.0), (max, 4.0), (min, 1.0), (np.mean, 2.5)],
+)
+def test_reduce_fx_aliases_and_functions_as_lightning_reads_them(reduce_fx, expected):
+    # core/test_metric_result_integration.py (_Metadata reads "avg"/"SUM" and
+    # torch.max or Python's max) and test_logging_sync_dist_true's reduce_fx="SUM"
+    # four batches of one row each, every feature the batch's number
+    values = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    xs = np.repeat(values[:, None], VX.shape[1], axis=1)
+
+    class Rows(LitMLP):
+        def eval_step(self, variables, batch):
+            x, _ = batch
+            self.log("foo", x[:, 0].mean(), reduce_fx=reduce_fx)
+
+    (result,) = lightning_trainer().validate(
+        Rows(init_variables=init_mlp()), loader(xs, np.zeros(4, np.int32), 1)
+    )
+    assert result["foo"] == pytest.approx(expected)
+
+
+def test_reduce_fx_that_the_devices_cannot_run_is_refused():
+    module = Logs(val=lambda m: m.log("foo", 1.0, reduce_fx=np.median))
+    with pytest.raises(ValueError, match="reduce_fx=.*median.*use one of"):
+        lightning_trainer().validate(module, loader(VX, VY, 8))
+
+
+def test_a_non_scalar_array_logged_in_a_host_hook_raises_value_error():
+    # trainer/logging_/test_eval_loop_logging.py: Lightning raises ValueError
+    # for a tensor with more than one element
+    import torch
+
+    module = Logs(
+        init_variables=init_mlp(),
+        host={"on_validation_epoch_end": lambda m: m.log("v", torch.tensor([1.0, 2.0]))},
+    )
+    with pytest.raises(ValueError, match=r"'v'.*array of shape \(2,\)"):
+        lightning_trainer().validate(module, loader(VX, VY, 8))
+
+
 def test_add_dataloader_idx_false_keeps_the_names_as_written():
     # trainer/logging_/test_eval_loop_logging.py: add_dataloader_idx=False
     def val(m):

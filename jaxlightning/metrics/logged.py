@@ -12,7 +12,9 @@ host names and routes them is `LogOptions`' business.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +31,32 @@ from jaxlightning.metrics.objects import (
 )
 
 REDUCTIONS = ("mean", "sum", "max", "min")
+
+
+def _reducing_callables() -> dict[Any, str]:
+    """The functions Lightning takes as ``reduce_fx`` (Python's, NumPy's, JAX's,
+    and torch's where torch is already imported), by the reduction they make."""
+    found: dict[Any, str] = {builtins.sum: "sum", builtins.max: "max", builtins.min: "min"}
+    for lib in (np, jnp, sys.modules.get("torch")):
+        for name in REDUCTIONS:
+            if lib is not None and callable(fn := getattr(lib, name, None)):
+                found[fn] = name
+    found.update({np.amax: "max", np.amin: "min"})
+    return found
+
+
+def reduction(reduce_fx: Any) -> str | None:
+    """The reduction ``reduce_fx`` names, as Lightning reads it: a string in any
+    case (``"avg"`` is ``"mean"``) or one of the reducing functions (``max``,
+    ``torch.max``, ``np.mean``, ...); ``None`` for anything else."""
+    if isinstance(reduce_fx, str):
+        name = reduce_fx.lower()
+        name = "mean" if name == "avg" else name
+        return name if name in REDUCTIONS else None
+    try:
+        return _reducing_callables().get(reduce_fx)
+    except TypeError:  # unhashable
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,10 +126,12 @@ class Reporter:
         (`BatchLogs`: the step values at the logging interval, the epoch's mean)."""
         try:
             number = float(value)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"self.log({name!r}, ...) in a host-side hook got a {type(value).__name__}; "
-                "log a number"
+        except (TypeError, ValueError):  # Lightning's error for a non-scalar tensor too
+            shape = getattr(value, "shape", None)
+            what = f"an array of shape {tuple(shape)}" if shape is not None else "a " + type(value).__name__
+            raise ValueError(
+                f"self.log({name!r}, ...) in a host-side hook got {what}; log a single "
+                "number (a scalar or one-element array)"
             ) from None
         if hook in BATCH_HOOKS:
             opts = {"on_step": on_step, "on_epoch": on_epoch, "prog_bar": prog_bar}

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
-class NonFiniteLossError(FloatingPointError):
-    """The training loss became NaN or infinite."""
+class NonFiniteLossError(FloatingPointError, RuntimeError):
+    """The training loss became NaN or infinite (a `RuntimeError`, as
+    Lightning's error for it, and a `FloatingPointError`)."""
 
 
 def split_loss_output(out: Any, model_state: Mapping[str, Any]) -> tuple[Any, dict]:
