@@ -165,6 +165,7 @@ class GptBench:
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
+            log_loss=True,  # the loss each arm reports
             compilation_cache_dir=self.cache_dir,
             callbacks=[window],
         )

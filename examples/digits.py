@@ -54,8 +54,10 @@ class LitDigits(jl.JaxModule):
     def loss(self, variables, batch, rngs):
         x, y = batch
         logits = self.net.apply(variables, x, train=True, rngs=rngs)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        self.log("train_loss", loss, prog_bar=True)
         self.log("train_acc", logits.argmax(-1) == y)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        return loss
 
     def eval_step(self, variables, batch):
         x, y = batch

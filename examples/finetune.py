@@ -73,8 +73,10 @@ class Classifier(jl.JaxModule):
     def loss(self, variables, batch, rngs):
         x, y = batch
         logits = self._logits(variables["params"], x)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        self.log("train_loss", loss)
         self.log("train_acc", logits.argmax(-1) == y, prog_bar=True)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        return loss
 
     def eval_step(self, variables, batch):
         x, y = batch

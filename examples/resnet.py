@@ -75,8 +75,10 @@ class LitResNet(jl.JaxModule):
         logits, updates = self.net.apply(
             variables, x, train=True, rngs=rngs, mutable=["batch_stats"]
         )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        self.log("train_loss", loss)
         self.log("train_acc", logits.argmax(-1) == y, prog_bar=True)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y), updates
+        return loss, updates
 
     def eval_step(self, variables, batch):
         x, y = batch

@@ -80,8 +80,16 @@ def step_options(
     log_grad_norm: Any,
     accumulate: Any = 1,
     on_nonfinite: Any = "raise",
+    *,
+    log_loss: Any = False,
+    step_values: Any = "last",
 ) -> StepOptions:
-    """The train step's gradient options, checked."""
+    """The train step's options, checked."""
+    if step_values not in ("last", "interval"):
+        raise ValueError(
+            f"step_values={step_values!r}: use 'last' (each report shows its step's own "
+            "value, Lightning's) or 'interval' (the reduction over the logging interval)"
+        )
     if on_nonfinite not in ("raise", "skip", "rollback"):
         raise ValueError(
             f"on_nonfinite={on_nonfinite!r}: use 'raise' (stop at the next report), 'skip' "
@@ -101,7 +109,13 @@ def step_options(
     if clip_algorithm not in ("norm", "value"):
         raise ValueError(f"gradient_clip_algorithm={clip_algorithm!r}: use 'norm' or 'value'")
     return StepOptions(
-        clip_val, clip_algorithm, bool(log_grad_norm), accumulate, on_nonfinite=on_nonfinite
+        clip_val,
+        clip_algorithm,
+        bool(log_grad_norm),
+        accumulate,
+        on_nonfinite=on_nonfinite,
+        log_loss=bool(log_loss),
+        step_values=step_values,
     )
 
 

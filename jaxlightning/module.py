@@ -38,10 +38,6 @@ def _is_numeric(value: Any) -> bool:
 
 # Hooks whose logged values are training values (per step by default).
 _TRAINING_HOOKS = ("loss", "training_step")
-# what the train step logs itself (`jaxlightning.training.step`'s names)
-_TRAINER_NAMES = frozenset(
-    {"train/loss", "train/grad_norm", "train/loss_max", "train/skipped_updates"}
-)
 
 # Hooks in which Lightning refuses ``self.log`` (its ``_FxValidator``): nothing
 # reports what they would log (fit/stage boundaries, set-up, checkpoints, predict).
@@ -689,12 +685,6 @@ class JaxModule:
         sink of the step being traced (`_collect_logs`)."""
         if name in self._log_sink:
             raise ValueError(f"self.log({name!r}, ...) was called twice in one step")
-        if self._hook in _TRAINING_HOOKS and name in _TRAINER_NAMES:
-            raise ValueError(
-                f"self.log({name!r}, ...) in {self._hook}(): the Trainer logs {name!r} itself "
-                "('train/loss' is what loss() returns). Log yours under another name, such "
-                "as 'loss' or 'train_loss'"
-            )
         options = self._log_options(
             name, on_step, on_epoch, prog_bar, logger, reduce_fx, add_dataloader_idx
         )

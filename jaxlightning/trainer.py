@@ -95,6 +95,8 @@ class Trainer:
         enable_model_summary: bool = True,
         profiler: str | None = None,
         stage_prefix: bool = False,
+        log_loss: bool = False,
+        step_values: str = "last",
         recompile: str = "warn",
         device_memory: int | None = None,
     ) -> None:

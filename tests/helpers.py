@@ -126,8 +126,10 @@ def quiet_trainer(**kwargs) -> jl.Trainer:
     ``callbacks`` has a `ModelCheckpoint` (Lightning refuses one with
     ``enable_checkpointing=False``). Names logged in traced steps carry their
     stage (``stage_prefix=True``: ``train/acc`` and ``val/acc`` stay apart in
-    tests of other features); tests of naming, and the translations of
-    Lightning's tests, pass ``stage_prefix=False`` (the default of `Trainer`)."""
+    tests of other features), and what ``loss()`` returns is reported as
+    ``train/loss`` (``log_loss=True``); tests of naming, and the translations
+    of Lightning's tests, pass ``stage_prefix=False, log_loss=False`` (the
+    defaults of `Trainer`)."""
     callbacks = kwargs.get("callbacks") or []
     callbacks = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
     kwargs.setdefault("enable_progress_bar", False)
@@ -137,13 +139,15 @@ def quiet_trainer(**kwargs) -> jl.Trainer:
     )
     kwargs.setdefault("enable_model_summary", False)
     kwargs.setdefault("stage_prefix", True)
+    kwargs.setdefault("log_loss", True)
     return jl.Trainer(**kwargs)
 
 
 def lightning_trainer(**kwargs) -> jl.Trainer:
-    """`quiet_trainer` with names reported as logged (the Trainer's default,
-    Lightning's rule): for the translations of Lightning's own tests."""
-    return quiet_trainer(**{"stage_prefix": False, **kwargs})
+    """`quiet_trainer` with only what the module logs reported, as logged (the
+    Trainer's defaults, Lightning's rules): for the translations of Lightning's
+    own tests."""
+    return quiet_trainer(**{"stage_prefix": False, "log_loss": False, **kwargs})
 
 
 def max_abs_diff(a, b) -> float:

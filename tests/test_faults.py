@@ -105,7 +105,11 @@ def test_rejected_xla_option_is_dropped_and_init_is_unchanged(monkeypatch, caplo
 def test_progress_bar_keeps_metrics_at_the_start_of_each_epoch(tmp_path, capsys):
     x, y = digits(64)
     trainer = jl.Trainer(
-        max_epochs=2, log_every_n_steps=100, logger=False, enable_checkpointing=False
+        max_epochs=2,
+        log_every_n_steps=100,
+        logger=False,
+        enable_checkpointing=False,
+        log_loss=True,
     )
     trainer.fit(LitMLP(), loader(x, y, 16))
     frames = capsys.readouterr().err.replace("\n", "\r").split("\r")
@@ -115,7 +119,7 @@ def test_progress_bar_keeps_metrics_at_the_start_of_each_epoch(tmp_path, capsys)
 
 def test_logging_the_trainers_own_name_in_loss_raises_and_loss_is_free():
     """Lightning code logs 'loss' in its training step: that works; only the
-    name the Trainer reports the returned loss under is reserved."""
+    name the Trainer reports the returned loss under (log_loss=True) is reserved."""
 
     def logs(name):
         class LogsLoss(LitMLP):
@@ -135,6 +139,7 @@ def test_logging_the_trainers_own_name_in_loss_raises_and_loss_is_free():
         enable_progress_bar=False,
         enable_model_summary=False,
         log_every_n_steps=1,
+        log_loss=True,
     )
     trainer.fit(logs("loss"), loader(*digits(16), 8))
     metrics = trainer.callback_metrics

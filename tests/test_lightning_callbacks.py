@@ -166,7 +166,7 @@ def test_a_non_finite_value_stops(stop_value):
 def test_a_stop_waits_for_min_epochs_and_min_steps(
     limit_train_batches, min_epochs, min_steps, stop_step
 ):
-    stopper = jl.EarlyStopping("train/loss", stopping_threshold=math.inf)
+    stopper = jl.EarlyStopping("acc", stopping_threshold=math.inf)
     trainer = lightning_trainer(
         max_epochs=10,
         limit_train_batches=limit_train_batches,

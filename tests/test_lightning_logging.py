@@ -172,6 +172,83 @@ def test_log_in_setup_and_predict_is_refused():
         quiet_trainer().predict(LogsInPredict(init_variables=init_mlp()), loader(VX, VY, 8))
 
 
+# ---------------------------------------------- only what the module logged
+def test_training_step_log_reports_only_what_was_logged(tmp_path):
+    # trainer/logging_/test_train_loop_logging.py::test__training_step__log
+    def train(m):
+        loss = jnp.float32(0.5)
+        m.log("default", loss)
+        m.log("l_s", loss, on_step=True, on_epoch=False, prog_bar=False, logger=True)
+        m.log("l_e", loss, on_step=False, on_epoch=True, prog_bar=False, logger=True)
+        m.log("l_se", loss, on_step=True, on_epoch=True, prog_bar=False, logger=True)
+        m.log("p_s", loss, on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        m.log("p_e", loss, on_step=False, on_epoch=True, prog_bar=True, logger=False)
+        m.log("p_se", loss, on_step=True, on_epoch=True, prog_bar=True, logger=False)
+
+    class Plain(Logs):  # LitMLP logs "acc": this one only what the test logs
+        def loss(self, variables, batch, rngs):
+            self.train_logs(self)
+            x, y = batch
+            logits = self.net.apply(variables, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+    trainer = lightning_trainer(
+        default_root_dir=tmp_path,
+        limit_train_batches=2,
+        max_epochs=2,
+        log_every_n_steps=1,
+        callbacks=[jl.ModelCheckpoint(monitor="l_se")],
+    )
+    trainer.fit(Plain(train=train), loader(X, Y, 16))
+    logged = set(trainer.logged_metrics)
+    assert logged == {"default", "l_e", "l_s", "l_se_step", "l_se_epoch"}
+    bar = set(trainer.progress_bar_metrics)
+    assert bar == {"p_e", "p_s", "p_se_step", "p_se_epoch"}
+    assert set(trainer.callback_metrics) == logged | bar | {"p_se", "l_se"}
+    assert all(isinstance(v, float) for v in trainer.progress_bar_metrics.values())
+
+
+def test_training_step_and_epoch_end_log_report_only_what_was_logged(tmp_path):
+    # trainer/logging_/test_train_loop_logging.py::test__training_step__epoch_end__log
+    def train(m):
+        loss = jnp.float32(0.25)
+        m.log("a", loss, on_step=True, on_epoch=True)
+        m.log_dict({"a1": loss, "a2": loss})
+
+    def at_epoch_end(m):
+        m.log("b1", 1.0)
+        m.log("b", 2.0, on_epoch=True, prog_bar=True, logger=True)
+
+    module = Logs(train=train, host={"on_train_epoch_end": at_epoch_end})
+    trainer = lightning_trainer(
+        default_root_dir=tmp_path, limit_train_batches=2, max_epochs=2, log_every_n_steps=1
+    )
+    trainer.fit(module, loader(X, Y, 16))
+    logged = set(trainer.logged_metrics)  # LitMLP's own loss() logs "acc"
+    assert logged == {"a_step", "a_epoch", "b", "b1", "a1", "a2", "acc"}
+    assert set(trainer.progress_bar_metrics) == {"b"}
+    assert set(trainer.callback_metrics) == logged | {"a"}
+
+
+def test_log_loss_reports_what_loss_returns_as_train_loss():
+    """Trainer(log_loss=True), ours: what loss() returns is reported as
+    train/loss (the interval's mean) in every collection; a name of the
+    module's own under it is then refused."""
+    trainer = lightning_trainer(max_epochs=1, log_every_n_steps=1, log_loss=True)
+    trainer.fit(LitMLP(lr=0.0, init_variables=init_mlp()), loader(X[:16], Y[:16], 16))
+    logits = np_logits(init_mlp()["params"], X[:16])
+    expected = np_cross_entropy(logits, Y[:16]).mean()
+    for values in (trainer.callback_metrics, trainer.logged_metrics):
+        assert values["train/loss"] == pytest.approx(expected, rel=1e-5)
+    assert "train/loss" in trainer.progress_bar_metrics
+    module = Logs(train=lambda m: m.log("train/loss", 1.0))
+    with pytest.raises(ValueError, match=r"'train/loss'.*log_loss=True"):
+        lightning_trainer(max_steps=1, log_loss=True).fit(module, loader(X, Y, 16))
+    free = lightning_trainer(max_steps=1)  # the name is the module's by default
+    free.fit(module, loader(X, Y, 16))
+    assert free.callback_metrics["train/loss"] == 1.0
+
+
 # --------------------------------------------------------------- reductions
 def test_sum_of_a_scalar_counts_once_per_step():
     # trainer/logging_/test_train_loop_logging.py::test_logging_sync_dist_true (devices=1):
@@ -182,6 +259,8 @@ def test_sum_of_a_scalar_counts_once_per_step():
         m.log("foo_7", 2.0, on_step=False, on_epoch=True, reduce_fx="sum")
         m.log("foo_8", 2.0, on_step=False, on_epoch=True, reduce_fx="mean")
         m.log("ones", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
+        # the global step before this update is the batch's index (one epoch)
+        m.log("foo_11", m.global_step * 1.0, on_step=True, on_epoch=True, reduce_fx="mean")
 
     def val(m):
         m.log("bar", 1.0, reduce_fx="sum")
@@ -198,6 +277,8 @@ def test_sum_of_a_scalar_counts_once_per_step():
     assert metrics["foo_7"] == 2 * 3
     assert metrics["foo_8"] == 2
     assert metrics["ones"] == 3  # the issue's case: not once per row (6)
+    assert metrics["foo_11_step"] == 2  # the last step's own value, not the interval's
+    assert metrics["foo_11"] == 1  # the epoch's mean of 0, 1, 2
     assert metrics["bar"] == 1 * 3
     assert metrics["bar_2"] == 1
 
@@ -287,7 +368,7 @@ def test_callback_metrics_are_reset_when_validate_starts():
     trainer = lightning_trainer(max_steps=2)
     module = LitMLP()
     trainer.fit(module, loader(X, Y, 16))
-    assert "train/loss" in trainer.callback_metrics
+    assert "acc" in trainer.callback_metrics
     (results,) = trainer.validate(module, loader(VX, VY, 8))
     assert trainer.callback_metrics == results
     assert set(results) == {"loss", "acc"}
@@ -352,9 +433,9 @@ def _named_fit(tmp_path, **kwargs):
 def test_names_are_reported_as_logged_and_lightning_monitors_work_unchanged(tmp_path):
     """Lightning's rule (no stage prefix added): ModelCheckpoint(monitor="val_loss")
     and EarlyStopping(monitor="val_acc") from a Lightning script find their values;
-    the Trainer adds train/loss, what loss() returns."""
+    the Trainer adds nothing the module did not log."""
     trainer, checkpoint = _named_fit(tmp_path)
-    assert {"train_acc", "val_loss", "val_acc", "train/loss"} <= set(trainer.callback_metrics)
+    assert set(trainer.callback_metrics) == {"acc", "train_acc", "val_loss", "val_acc"}
     assert not any(k.startswith(("val/", "test/")) for k in trainer.callback_metrics)
     assert checkpoint.best_model_score == pytest.approx(trainer.callback_metrics["val_loss"])
     (result,) = trainer.validate(Named(), loader(X[:32], Y[:32], 16), ckpt_path="best")

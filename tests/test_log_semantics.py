@@ -52,15 +52,13 @@ class LogsEverything(LitMLP):
         self.log("loss_min", per_example, reduce_fx="min")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("semantics")
+def _fit(root, **kwargs):
     x, y = digits(N_TRAIN)
     vx, vy = digits(N_VAL, 1000)
     variables = init_mlp()
     module = LogsEverything(init_variables=variables)
     loggers = [jl.TensorBoardLogger(str(root)), jl.CSVLogger(str(root), name="csv")]
-    trainer = quiet_trainer(max_epochs=2, log_every_n_steps=3, logger=loggers)
+    trainer = quiet_trainer(max_epochs=2, log_every_n_steps=3, logger=loggers, **kwargs)
     trainer.fit(module, loader(x, y, BATCH), loader(vx, vy, 16))
     train_loss = np_cross_entropy(np_logits(variables["params"], x), y)
     val_loss = np_cross_entropy(np_logits(variables["params"], vx), vy)
@@ -70,6 +68,12 @@ def run(tmp_path_factory):
     with open(loggers[1].metrics_file_path, newline="") as f:
         rows = list(csv.DictReader(f))
     return trainer, train_loss, val_loss, tb, rows
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A fit whose step values reduce over each logging interval (ours)."""
+    return _fit(tmp_path_factory.mktemp("semantics"), step_values="interval")
 
 
 def _rows_of_steps(steps):
@@ -96,6 +100,22 @@ def test_step_values_are_exact_per_interval(run):
         assert tb["train/max_both_step"][step] == pytest.approx(loss[rows].max(), rel=1e-5)
         assert tb["train/step_seen"][step] == max(steps) - 1  # the traced global_step
         assert tb["train/loss"][step] == pytest.approx(loss[rows].mean(), rel=1e-5)
+
+
+def test_step_values_are_their_steps_own_by_default(tmp_path):
+    """Lightning's rule (the default, ``step_values="last"``): a value logged
+    on_step reports the logging step's own value; the Trainer's train/loss
+    (log_loss) stays the interval's mean, and on_epoch values are unchanged."""
+    _, loss, _, tb, _ = _fit(tmp_path)
+    for step, steps in WINDOWS.items():
+        rows = _rows_of_steps(steps[-1:])
+        assert tb["train/mean_step"][step] == pytest.approx(loss[rows].mean(), rel=1e-5)
+        assert tb["train/max_both_step"][step] == pytest.approx(loss[rows].max(), rel=1e-5)
+        assert tb["train/step_seen"][step] == max(steps) - 1
+        every = _rows_of_steps(steps)
+        assert tb["train/loss"][step] == pytest.approx(loss[every].mean(), rel=1e-5)
+    for step in EPOCH_ENDS:
+        assert tb["train/mean_both_epoch"][step] == pytest.approx(loss.mean(), rel=1e-5)
 
 
 def test_epoch_values_are_exact_over_the_epoch(run):

@@ -18,6 +18,7 @@ def run(tmp_path_factory):
     x, y = digits(203)  # 7 steps per epoch
     recorder = Recorder()
     trainer = jl.Trainer(
+        log_loss=True,  # what loss() returns, as train/loss
         stage_prefix=True,  # TensorBoard groups the names by stage
         max_epochs=3,
         log_every_n_steps=5,
@@ -28,6 +29,7 @@ def run(tmp_path_factory):
     model = LitMLP(hidden=16, lr=3e-3)
     trainer.fit(model, loader(x, y, 32), loader(x[:50], y[:50], 32))
     second = jl.Trainer(
+        log_loss=True,  # what loss() returns, as train/loss
         stage_prefix=True, max_steps=1, default_root_dir=root, enable_progress_bar=False
     )
     second.fit(LitMLP(hidden=16), loader(x, y, 32))
@@ -132,6 +134,7 @@ def test_progress_bar_shows_epochs_and_only_prog_bar_metrics(tmp_path, capsys):
 
     x, y = digits(96)
     trainer = jl.Trainer(
+        log_loss=True,  # what loss() returns, as train/loss
         stage_prefix=True,
         max_epochs=2,
         log_every_n_steps=1,
@@ -176,6 +179,7 @@ def _points_per_file(run_dir):
 def test_fit_validate_and_test_in_quick_succession_lose_no_values(tmp_path):
     x, y = digits(96)  # 3 steps per epoch
     trainer = jl.Trainer(
+        log_loss=True,  # what loss() returns, as train/loss
         max_epochs=2,
         log_every_n_steps=1,
         default_root_dir=tmp_path,
@@ -199,6 +203,7 @@ def test_validate_called_by_a_callback_mid_fit_loses_no_train_values(tmp_path):
 
     val = loader(*digits(16, 1000), 16)
     trainer = jl.Trainer(
+        log_loss=True,  # what loss() returns, as train/loss
         max_steps=30,
         log_every_n_steps=1,
         default_root_dir=tmp_path,

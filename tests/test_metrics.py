@@ -80,7 +80,8 @@ def test_train_loss_is_exact_mean_over_epoch_with_padding():
     x, y = digits(203)  # 7 batches of 32, the last 11 rows
     variables = init_mlp()
     model = LitMLP(lr=0.0, init_variables=variables)
-    trainer = quiet_trainer(max_epochs=1, log_every_n_steps=7)
+    # the step values of the one interval: its mean (not its last step's)
+    trainer = quiet_trainer(max_epochs=1, log_every_n_steps=7, step_values="interval")
     trainer.fit(model, loader(x, y, 32))
     logits = np_logits(variables["params"], x)
     assert trainer.logged_metrics["train/loss"] == pytest.approx(
@@ -94,7 +95,8 @@ def test_scalar_loss_weights_shards_by_real_examples():
     x, y = digits(203)
     variables = init_mlp()
     model = LitMLP(lr=0.0, init_variables=variables, scalar_loss=True)
-    trainer = quiet_trainer(max_epochs=1, log_every_n_steps=7)
+    # the step values of the one interval: its mean (not its last step's)
+    trainer = quiet_trainer(max_epochs=1, log_every_n_steps=7, step_values="interval")
     trainer.fit(model, loader(x, y, 32))
     logits = np_logits(variables["params"], x)
     per_example = np_cross_entropy(logits, y)

@@ -162,8 +162,18 @@ class TrainerArgs:
             groups them by stage; a name that already says its stage, such as
             ``val_loss``, stays). Default: names exactly as logged, Lightning's
             rule, so Lightning's ``monitor=`` strings work unchanged. The
-            Trainer's own values are always ``train/loss`` (and
-            ``train/grad_norm``, ``train/skipped_updates``, ...).
+            Trainer's own values are always ``train/loss`` (``log_loss``),
+            ``train/grad_norm``, ``train/skipped_updates``, ...
+        log_loss: report what ``loss()`` returns, as ``train/loss`` (the mean
+            over each logging interval), to the loggers, ``callback_metrics``
+            and the progress bar. Default: as in Lightning, only what the
+            module logs is reported (``self.log("train_loss", loss,
+            prog_bar=True)`` in ``loss``).
+        step_values: what a value logged with ``on_step=True`` in ``loss`` or
+            ``training_step`` reports every ``log_every_n_steps``: ``"last"``
+            (default, Lightning's), the value of that step; ``"interval"``, its
+            ``reduce_fx`` over every step since the last report (the mean of
+            50 steps' losses: a smoother curve at the same cost).
         recompile: a training batch whose shapes or dtypes differ from the
             first one's (which would compile the step again): ``"warn"``
             (default; once per new signature, naming the leaf and the batch),
@@ -216,6 +226,8 @@ class TrainerArgs:
     enable_model_summary: bool = True
     profiler: str | None = None
     stage_prefix: bool = False
+    log_loss: bool = False
+    step_values: str = "last"
     recompile: str = "warn"
     device_memory: int | None = None
 

@@ -268,7 +268,7 @@ class FitLoop:
         values = report(prefix, options, acc.metrics, "step")
         self.reporter.publish(values)
         self.program.held.reset_interval(acc)
-        self.points.reported(values.values.get("train/loss"))
+        self.points.reported(self.program.interval_loss(acc))
 
     def _end_train_epoch(self) -> None:
         """Reports the epoch's last (partial) interval and its ``on_epoch`` values.
@@ -288,4 +288,4 @@ class FitLoop:
         self.reporter.publish(values)
         if self.progress.epoch_completed:
             self.program.held.reset_epoch()
-        self.points.reported(values.values.get("train/loss"))
+        self.points.reported(self.program.interval_loss(acc))

@@ -57,7 +57,8 @@ class StatePoints:
         return any(guard.rolled_back(acc) for guard in self.guards)
 
     def reported(self, loss: float | None) -> None:
-        """A report published ``loss`` (``train/loss``): the state is good."""
+        """A report fetched ``loss`` (its interval's mean of what ``loss()``
+        returned, reported or not): the state is good."""
         for guard in self.guards:
             guard.mark_good(loss)
 

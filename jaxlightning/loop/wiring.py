@@ -97,6 +97,8 @@ def _settings(args: TrainerArgs) -> _Settings:
         args.log_grad_norm,
         args.accumulate_grad_batches,
         on_nonfinite,
+        log_loss=args.log_loss,
+        step_values=args.step_values,
     )
     options = dataclasses.replace(options, precision=precision_setting(args.precision))
     seed = args.seed

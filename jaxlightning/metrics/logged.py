@@ -73,6 +73,8 @@ class LogOptions:
             ``<name>/dataloader_idx_N``.
         metric: a metric object's class and settings, when the value is one
             (its empty state's shapes depend on them).
+        hidden: a value the Trainer keeps for its own checks (the training
+            loss without ``log_loss``): accumulated, reported nowhere.
     """
 
     on_step: bool
@@ -82,6 +84,7 @@ class LogOptions:
     reduce_fx: str = "mean"
     add_dataloader_idx: bool = True
     metric: MetricSpec | None = None
+    hidden: bool = False
 
 
 Average = clu_metrics.Average

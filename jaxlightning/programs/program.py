@@ -24,6 +24,7 @@ import optax
 from jaxlightning.data import DeviceBatch
 from jaxlightning.data.resident import ResidentBatch
 from jaxlightning.io.checkpoint import restore
+from jaxlightning.metrics.logged import host_value
 from jaxlightning.module import JaxModule
 from jaxlightning.programs.compiled import CompiledSteps, batch_shapes, zeros_like_local
 from jaxlightning.programs.held_state import HeldState
@@ -168,6 +169,12 @@ class Program:
         if self._resident_step is not None:
             return _cost_of(self._resident_step)
         return _cost_of(self._train_step)
+
+    def interval_loss(self, acc: Any) -> float | None:
+        """The mean of what ``loss()`` returned over fetched ``acc``'s logging
+        interval, reported or not (``None``: manual optimization, no row)."""
+        metric = acc.metrics.get(self.options.loss_name)
+        return None if metric is None else host_value(metric)
 
     def _memory_limit(self) -> int | None:
         return memory.device_limit(self.strategy.devices, self.device_memory)

@@ -56,13 +56,13 @@ def report(
 
     A name logged both per step and per epoch is reported as ``<name>_step``
     and ``<name>_epoch``, as in Lightning; ``callback_metrics`` also gets the
-    plain name with the latest of the two. Names that saw no real row are
-    left out.
+    plain name with the latest of the two. Names that saw no real row, and
+    the Trainer's hidden ones, are left out.
     """
     out = Report()
     for name, metric in metrics.items():
         opts = options[name]
-        if not (opts.on_step if level == "step" else opts.on_epoch):
+        if opts.hidden or not (opts.on_step if level == "step" else opts.on_epoch):
             continue
         value = host_value(metric)
         if value is None:

@@ -75,6 +75,14 @@ class StepOptions:
             ``"rollback"`` (apply every update and log each interval's largest
             step loss, ``loss_max``: the loop goes back to its last good state
             when a check finds a bad one; see `jaxlightning.callbacks.rollback`).
+        log_loss: report what ``loss()`` returns as ``train/loss`` (the mean of
+            each logging interval: loggers, ``callback_metrics``, the bar). Off,
+            the step still keeps it for its own checks and reports it nowhere
+            (Lightning reports only what the user logged).
+        step_values: what a name the user logs with ``on_step=True`` reports
+            at a logging step: ``"last"``, the step's own value (Lightning's),
+            or ``"interval"``, its ``reduce_fx`` over every step since the
+            last report (smoother curves, the same cost).
     """
 
     gradient_clip_val: float | None = None
@@ -83,6 +91,14 @@ class StepOptions:
     accumulate_grad_batches: int = 1
     precision: str = "32-true"
     on_nonfinite: str = "raise"
+    log_loss: bool = False
+    step_values: str = "last"
+
+    @property
+    def loss_name(self) -> str:
+        """The name the step keeps its loss under: ``train/loss`` when it is
+        reported, else one no user name can take."""
+        return LOSS if self.log_loss else HIDDEN_LOSS
 
     @property
     def skip_nonfinite(self) -> bool:
@@ -109,19 +125,23 @@ class StepOptions:
 
 
 Options = dict[str, LogOptions]
-# The Trainer's own training loss, as reported: per interval, in the bar.
+# The Trainer's own training loss, as reported (``log_loss=True``): per
+# interval, in the bar; else kept for the Trainer's checks, reported nowhere.
 LOSS_OPTIONS = LogOptions(on_step=True, on_epoch=False, prog_bar=True)
+HIDDEN_LOSS_OPTIONS = LogOptions(on_step=True, on_epoch=False, logger=False, hidden=True)
 GRAD_NORM_OPTIONS = LogOptions(on_step=True, on_epoch=False)
 # Under on_nonfinite="skip": the updates skipped in each logging interval.
 # The Trainer's own training values carry their full names (user names are
 # reported as logged, or with a stage prefix under Trainer(stage_prefix=True)).
 LOSS = "train/loss"
+HIDDEN_LOSS = "jaxlightning/loss"
 GRAD_NORM = "train/grad_norm"
 SKIPPED = "train/skipped_updates"
 SKIPPED_OPTIONS = LogOptions(on_step=True, on_epoch=False, reduce_fx="sum")
 # Under on_nonfinite="rollback": the largest step loss of each logging interval.
 LOSS_MAX = "train/loss_max"
 LOSS_MAX_OPTIONS = LogOptions(on_step=True, on_epoch=False, reduce_fx="max")
+TRAINER_NAMES = frozenset({LOSS, HIDDEN_LOSS, GRAD_NORM, SKIPPED, LOSS_MAX})
 
 
 @flax.struct.dataclass
@@ -183,12 +203,24 @@ def _merge(acc: Metrics, new: Metrics, hook: str) -> Metrics:
 
 
 def _merge_train(
-    acc: TrainMetrics, new: Metrics, step: jax.Array, finite: jax.Array, hook: str
+    acc: TrainMetrics,
+    new: Metrics,
+    step: jax.Array,
+    finite: jax.Array,
+    hook: str,
+    step_values: str = "interval",
 ) -> TrainMetrics:
+    """``new`` merged into the epoch's accumulators, and into the interval's
+    (``step_values="interval"``) or, for the user's names, replacing them
+    (``"last"``: the step's own value; the Trainer's names always reduce over
+    the interval: rollback reads the interval's largest loss)."""
     bad = jnp.where(finite, 0, step).astype(jnp.int32)
     first = jnp.where(acc.first_nonfinite > 0, acc.first_nonfinite, bad)
     epoch = _merge(acc.epoch, {name: new[name] for name in acc.epoch if name in new}, hook)
-    return TrainMetrics(_merge(acc.metrics, new, hook), epoch, first)
+    metrics = _merge(acc.metrics, new, hook)
+    if step_values == "last":
+        metrics.update({name: m for name, m in new.items() if name not in TRAINER_NAMES})
+    return TrainMetrics(metrics, epoch, first)
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -208,10 +240,10 @@ def _merge_checked(
     """`_merge_train`; under ``on_nonfinite="skip"`` a skipped step's logged
     values are left out (its loss is not finite) and it is counted as skipped."""
     if not options.skip_nonfinite:
-        return _merge_train(acc, new, step, finite, hook)
+        return _merge_train(acc, new, step, finite, hook, options.step_values)
     one = jnp.ones((), jnp.int32)
     new = {**new, SKIPPED: Total(total=(~finite).astype(jnp.float32), count=one)}
-    merged = _merge_train(acc, new, step, jnp.bool_(True), hook)
+    merged = _merge_train(acc, new, step, jnp.bool_(True), hook, options.step_values)
     kept = keep_if(finite, merged, acc)
     return kept.replace(metrics={**kept.metrics, SKIPPED: merged.metrics[SKIPPED]})
 
@@ -315,14 +347,8 @@ def zero_train_metrics(
             rngs,
             call=functools.partial(contract.call_loss, module),
         )
-        logged[LOSS] = LOSS_OPTIONS
-        if options.log_grad_norm:
-            logged[GRAD_NORM] = GRAD_NORM_OPTIONS
-        if options.on_nonfinite == "rollback":
-            logged[LOSS_MAX] = LOSS_MAX_OPTIONS
-    if options.skip_nonfinite:
-        logged[SKIPPED] = SKIPPED_OPTIONS
     hook = "training_step" if is_manual(module) else "loss"
+    logged = _with_trainer_names(logged, hook, options)
     for name, opts in logged.items():
         if opts.metric is not None and opts.metric.collects:
             raise ValueError(
@@ -334,6 +360,27 @@ def zero_train_metrics(
     metrics = {name: zero(opts) for name, opts in logged.items()}
     epoch = {name: zero(opts) for name, opts in logged.items() if opts.on_epoch}
     return TrainMetrics(metrics, epoch, np.zeros((), np.int32)), logged
+
+
+def _with_trainer_names(logged: Options, hook: str, options: StepOptions) -> Options:
+    """The user's ``logged`` names and the Trainer's own for these options;
+    a user name that one of the Trainer's would overwrite is refused."""
+    own: Options = {}
+    if hook == "loss":
+        own[options.loss_name] = LOSS_OPTIONS if options.log_loss else HIDDEN_LOSS_OPTIONS
+        if options.log_grad_norm:
+            own[GRAD_NORM] = GRAD_NORM_OPTIONS
+        if options.on_nonfinite == "rollback":
+            own[LOSS_MAX] = LOSS_MAX_OPTIONS
+    if options.skip_nonfinite:
+        own[SKIPPED] = SKIPPED_OPTIONS
+    for name in own.keys() & logged.keys():
+        raise ValueError(
+            f"self.log({name!r}, ...) in {hook}(): the Trainer reports {name!r} itself here "
+            + ("(Trainer(log_loss=True): what loss() returns). " if name == LOSS else "")
+            + "Log yours under another name, such as 'loss' or 'train_loss'"
+        )
+    return {**logged, **own}
 
 
 def zero_eval_metrics(
@@ -447,7 +494,7 @@ def _build_gradients(
                 )
             total, count, updates = loss_terms(out, state.model_state, mask)
             metrics = _logged_metrics(logged, mask)
-            metrics[LOSS] = Average(total=total, count=count)
+            metrics[options.loss_name] = Average(total=total, count=count)
             scaled = total if scale is None else total * scale
             return scaled, (metrics, updates)
 
@@ -471,13 +518,13 @@ def _build_apply(tx: Any, options: StepOptions) -> Callable[..., Any]:
     applied."""
 
     def jl_apply(state, acc, grads, updates, metrics):
-        n_real = metrics[LOSS].count
-        finite = jnp.isfinite(metrics[LOSS].total)
+        n_real = metrics[options.loss_name].count
+        finite = jnp.isfinite(metrics[options.loss_name].total)
         if options.skip_nonfinite:
             finite = finite & all_finite(grads)
         if options.on_nonfinite == "rollback":  # this (micro-)batch's loss, for the spike rule
             seen = n_real > 0
-            loss = jnp.where(seen, metrics[LOSS].total / jnp.maximum(n_real, 1), -jnp.inf)
+            loss = jnp.where(seen, metrics[options.loss_name].total / jnp.maximum(n_real, 1), -jnp.inf)
             metrics[LOSS_MAX] = Extreme(
                 value=loss.astype(jnp.float32), count=seen.astype(jnp.int32), op="max"
             )
@@ -502,7 +549,7 @@ def _accumulate_micro_batch(
     once ``accumulate_grad_batches`` of them are in."""
     k = options.accumulate_grad_batches
     kept = state
-    state = state.accumulate(grads, metrics[LOSS].count).replace(
+    state = state.accumulate(grads, metrics[options.loss_name].count).replace(
         model_state={**state.model_state, **updates}
     )
     # a bad micro-batch is left out of the mean; under 16-mixed's loss
@@ -534,14 +581,14 @@ def _apply_update(
 ) -> tuple[TrainState, TrainMetrics]:
     """The optimizer update with the global batch's mean gradient; where it is
     not ``finite`` and `StepOptions.skip_nonfinite`, the state stays as it was."""
-    n_real = metrics[LOSS].count
+    n_real = metrics[options.loss_name].count
     divisor = n_real if not options.loss_scaled else n_real * state.opt_state.scale
     grads = jax.tree.map(lambda g: g / divisor, grads)
     if options.log_grad_norm:  # the same on every device: counts once per step
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         metrics[GRAD_NORM] = Average(total=norm.astype(jnp.float32), count=jnp.ones((), jnp.int32))
     # the loss of the global batch, the same on every device
-    value = metrics[LOSS].total / n_real
+    value = metrics[options.loss_name].total / n_real
     new_state = state.apply_gradients(tx, grads, updates, value=value)
     if options.skip_nonfinite:
         new_state = keep_if(finite, new_state, state)

@@ -163,6 +163,7 @@ def lr_find(
         accumulate_grad_batches=args.accumulate_grad_batches,
         seed=trainer.seed,
         log_every_n_steps=1,
+        log_loss=True,  # the recorder reads each step's train/loss
         limit_val_batches=0,
         num_sanity_val_steps=0,
         logger=False,
