@@ -119,9 +119,7 @@ class DigitsCLI(jl.cli.LightningCLI):
     def after_fit(self) -> None:
         (result,) = self.trainer.validate(self.model, datamodule=self.datamodule)
         self.accuracy = result["acc"]
-        self.say(
-            f"Final validation accuracy: {result['acc']:.4f} (loss {result['loss']:.4f})"
-        )
+        self.say(f"Final validation accuracy: {result['acc']:.4f} (loss {result['loss']:.4f})")
 
     def say(self, text: str) -> None:
         if jax.process_index() == 0:

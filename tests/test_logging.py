@@ -30,7 +30,10 @@ def run(tmp_path_factory):
     trainer.fit(model, loader(x, y, 32), loader(x[:50], y[:50], 32))
     second = jl.Trainer(
         log_loss=True,  # what loss() returns, as train/loss
-        stage_prefix=True, max_steps=1, default_root_dir=root, enable_progress_bar=False
+        stage_prefix=True,
+        max_steps=1,
+        default_root_dir=root,
+        enable_progress_bar=False,
     )
     second.fit(LitMLP(hidden=16), loader(x, y, 32))
     events = EventAccumulator(trainer.log_dir)

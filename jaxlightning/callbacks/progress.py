@@ -43,9 +43,10 @@ class TQDMProgressBar(Callback):
     """Progress bars with the latest fetched metrics in the postfix.
 
     The postfix shows ``trainer.progress_bar_metrics``: the values logged with
-    ``prog_bar=True`` (and ``train/loss`` under ``Trainer(log_loss=True)``). It changes only when the Trainer has
-    fetched new values (at its logging interval and after validation), so the
-    bar never forces a sync, and a new epoch's bar starts with the latest ones.
+    ``prog_bar=True`` (and ``train/loss`` under ``Trainer(log_loss=True)``).
+    It changes only when the Trainer has fetched new values (at its logging
+    interval and after validation), so the bar never forces a sync, and a new
+    epoch's bar starts with the latest ones.
 
     Args:
         refresh_rate: redraw at most every this many steps.

@@ -115,6 +115,7 @@ class TrainerView(Protocol):
     @property
     def max_epochs(self) -> int:
         """The epoch limit (-1: none)."""
+
     @property
     def max_steps(self) -> int: ...
     @property

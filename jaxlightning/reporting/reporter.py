@@ -128,7 +128,11 @@ class Reporter:
             number = float(value)
         except (TypeError, ValueError):  # Lightning's error for a non-scalar tensor too
             shape = getattr(value, "shape", None)
-            what = f"an array of shape {tuple(shape)}" if shape is not None else "a " + type(value).__name__
+            what = (
+                f"an array of shape {tuple(shape)}"
+                if shape is not None
+                else "a " + type(value).__name__
+            )
             raise ValueError(
                 f"self.log({name!r}, ...) in a host-side hook got {what}; log a single "
                 "number (a scalar or one-element array)"

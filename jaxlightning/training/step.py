@@ -524,7 +524,9 @@ def _build_apply(tx: Any, options: StepOptions) -> Callable[..., Any]:
             finite = finite & all_finite(grads)
         if options.on_nonfinite == "rollback":  # this (micro-)batch's loss, for the spike rule
             seen = n_real > 0
-            loss = jnp.where(seen, metrics[options.loss_name].total / jnp.maximum(n_real, 1), -jnp.inf)
+            loss = jnp.where(
+                seen, metrics[options.loss_name].total / jnp.maximum(n_real, 1), -jnp.inf
+            )
             metrics[LOSS_MAX] = Extreme(
                 value=loss.astype(jnp.float32), count=seen.astype(jnp.int32), op="max"
             )
