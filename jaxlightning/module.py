@@ -555,8 +555,9 @@ class JaxModule:
         It is reduced with ``reduce_fx`` (``"mean"``, ``"sum"``, ``"max"``,
         ``"min"``, in any case, ``"avg"``; or the function ``max``, ``min``,
         ``sum``, ``torch.max``, ``np.mean``, ...) exactly over the real
-        examples of every device: padded rows never count. A per-example vector counts each real row. A scalar is
-        this device's value for its shard, weighted by the shard's real rows:
+        examples of every device: padded rows never count. A per-example
+        vector counts each real row. A scalar is this device's value for its
+        shard, weighted by the shard's real rows:
         with ``"mean"`` a shard mean averages exactly across devices; with
         ``"sum"`` the devices' row-weighted mean counts once per step (a
         constant ``1`` sums to the number of steps, as in Lightning); to sum
