@@ -665,3 +665,30 @@ def test_a_callback_keyed_by_its_type_is_saved_under_its_name(tmp_path):
     trainer.fit(LitMLP(hidden=8), loader(*digits(32), 16))
     meta = read_meta(trainer.save_checkpoint(tmp_path / "c"))
     assert meta["callbacks"]["LegacyKeyed"] == {"seen": 1}
+
+
+def test_two_checkpoints_in_the_default_dirpath_share_its_step_folders(tmp_path):
+    # Two ModelCheckpoints with the default dirpath (Lightning writes both
+    # callbacks' files into one folder): both save each epoch's step, one keeps
+    # the lowest foo (the first), the other the highest (the newest). The step
+    # is written once, and neither deletes a folder the other still keeps.
+    lowest = jl.ModelCheckpoint(monitor="foo", mode="min", save_top_k=1)
+    highest = jl.ModelCheckpoint(monitor="foo", mode="max", save_top_k=1)
+    trainer = lightning_trainer(
+        max_epochs=3, default_root_dir=tmp_path, callbacks=[lowest, highest]
+    )
+    with recording_writes() as writes:
+        trainer.fit(Logged(), data(2))
+    assert lowest.dirpath == highest.dirpath == os.path.join(tmp_path, "checkpoints")
+    assert written(writes, "checkpoints") == [2, 4, 6]  # once each, not twice
+    assert lowest.best_model_path == os.path.join(lowest.dirpath, "2")  # foo 0.1, 0.2, 0.3
+    assert highest.best_model_path == os.path.join(lowest.dirpath, "6")
+    assert steps(lowest.dirpath) == [2, 6]  # 4 was kept by neither
+
+
+def test_two_checkpoints_in_one_dirpath_that_save_different_contents_are_refused(tmp_path):
+    full = jl.ModelCheckpoint(dirpath=tmp_path)
+    weights = jl.ModelCheckpoint(dirpath=tmp_path, save_weights_only=True)
+    trainer = lightning_trainer(max_epochs=1, callbacks=[full, weights])
+    with pytest.raises(ValueError, match="save_weights_only=True.*dirpath of its own"):
+        trainer.fit(Logged(), data(2))

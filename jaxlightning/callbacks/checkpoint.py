@@ -7,7 +7,7 @@ import math
 import os
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from jaxlightning.callbacks.base import Callback
 from jaxlightning.cluster import distributed
@@ -119,7 +119,8 @@ class ModelCheckpoint(Callback):
         self._records: list[dict[str, Any]] = []
         self._pending: dict[str, Any] | None = None
         self._known: set[int] = set()  # steps written by this callback, not yet deleted
-        self._writer: CheckpointWriter | None = None
+        self._folder: _Folder | None = None  # shared with the fit's other checkpoints
+        self._writer: CheckpointWriter | None = None  # the folder's
         self._last_global_step_saved = 0  # no check saves before the first step
         self._saved_any = False  # whether a checkpoint was written (save_last at the end)
         self._last_time_checked: float | None = None
@@ -364,9 +365,8 @@ class ModelCheckpoint(Callback):
     # ------------------------------------------------------------- saving
     def _open(self, trainer: TrainerView) -> CheckpointWriter:
         if self._writer is None:
-            self._writer = CheckpointWriter(
-                self.resolve_dirpath(trainer), async_save=self.async_save
-            )
+            self._folder = _Folder.join(self.resolve_dirpath(trainer), self)
+            self._writer = self._folder.writer
         return self._writer
 
     def _protect_newer(self, dirpath: str, start: int) -> None:
@@ -428,9 +428,13 @@ class ModelCheckpoint(Callback):
             tree, meta = trainer.checkpoint_payload(module)
             if self.save_weights_only:
                 tree, meta = weights_only(tree), {**meta, "weights_only": True}
-            if step in writer.steps():  # a folder left by another run: keep it aside
-                move_aside(writer.dirpath, [step])
-            path = writer.save(step, tree, meta)
+            assert self._folder is not None  # opened with the writer
+            if self._folder.claim(step, self):  # another callback of this fit saved this step
+                path = writer.path(step)
+            else:
+                if step in writer.steps():  # a folder left by another run: keep it aside
+                    move_aside(writer.dirpath, [step])
+                path = writer.save(step, tree, meta)
         except CheckpointError as exc:  # a save that failed at once
             self._pending = None
             raise self._failure(exc) from exc
@@ -522,9 +526,10 @@ class ModelCheckpoint(Callback):
             return
         on_disk = set(self._writer.steps())
         for step in dropped:
-            if step in on_disk and step in self._known:
-                self._writer.delete(step)
+            if step in self._known and self._folder is not None:
                 self._known.discard(step)
+                if self._folder.release(step, self) and step in on_disk:
+                    self._writer.delete(step)
 
     def finish(self, *, prune: bool) -> None:
         """Waits for pending writes; with ``prune``, keeps only what the policy keeps.
@@ -538,8 +543,9 @@ class ModelCheckpoint(Callback):
             if prune:
                 self._prune()
         finally:
-            writer, self._writer = self._writer, None
-            writer.close()
+            folder, self._folder, self._writer = self._folder, None, None
+            if folder is not None:
+                folder.leave(self)
 
     # -------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -567,6 +573,58 @@ class ModelCheckpoint(Callback):
         self.best_model_score = state.get("best_model_score")
         self.current_score = state.get("current_score")
         self.last_model_path = state.get("last_model_path", "")
+
+
+class _Folder:
+    """A checkpoint folder of a fit, shared by every `ModelCheckpoint` saving
+    into it (two with the default ``dirpath``, say): one writer (two would
+    collide in orbax's temporary folder of a step), and who keeps each step
+    saved in this fit. A step one callback saved is the others' checkpoint of
+    that step too (the same state); it is deleted once none of them keeps it."""
+
+    _open: ClassVar[dict[str, _Folder]] = {}
+
+    def __init__(self, key: str, writer: CheckpointWriter) -> None:
+        self.key, self.writer = key, writer
+        self.users: set[int] = set()
+        self.keepers: dict[int, set[int]] = {}  # step -> the callbacks keeping it
+        self.weights_only = False
+
+    @classmethod
+    def join(cls, dirpath: str, user: ModelCheckpoint) -> _Folder:
+        folder = cls._open.get(dirpath)
+        if folder is None:
+            writer = CheckpointWriter(dirpath, async_save=user.async_save)
+            folder = cls._open[dirpath] = cls(dirpath, writer)
+            folder.weights_only = user.save_weights_only
+        elif folder.weights_only != user.save_weights_only:
+            raise ValueError(
+                f"two ModelCheckpoints save into {dirpath}, one with save_weights_only=True "
+                "and one without: a step's checkpoint there is one folder, so give one of "
+                "them a dirpath of its own"
+            )
+        folder.users.add(id(user))
+        return folder
+
+    def claim(self, step: int, user: Any) -> bool:
+        """``user`` keeps ``step``'s checkpoint; whether another already saved it."""
+        keepers = self.keepers.setdefault(step, set())
+        saved = bool(keepers - {id(user)})
+        keepers.add(id(user))
+        return saved
+
+    def release(self, step: int, user: Any) -> bool:
+        """``user`` no longer keeps ``step``; whether nobody does (delete it)."""
+        keepers = self.keepers.get(step, set())
+        keepers.discard(id(user))
+        return not keepers
+
+    def leave(self, user: Any) -> None:
+        """``user``'s fit is over; the last to leave closes the writer."""
+        self.users.discard(id(user))
+        if not self.users:
+            del self._open[self.key]
+            self.writer.close()
 
 
 def _triggers(
