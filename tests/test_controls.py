@@ -155,15 +155,17 @@ def test_num_sanity_val_steps_draws_that_many_batches_before_training():
 def test_fast_dev_run_runs_a_few_batches_and_keeps_nothing(tmp_path):
     x, y = digits(64)
     count = Count()
+    checkpoint = jl.ModelCheckpoint(every_n_train_steps=1)
     trainer = jl.Trainer(
         fast_dev_run=2,
         default_root_dir=tmp_path,
         enable_progress_bar=False,
-        callbacks=[count, jl.ModelCheckpoint(every_n_train_steps=1)],
+        callbacks=[count, checkpoint],
     )
     trainer.fit(LitMLP(), loader(x, y, 8), loader(x, y, 8))
     assert trainer.global_step == 2 and count.val_batches == 2 and count.val_ends == [2]
-    assert trainer.logger is None and trainer.checkpoint_callback is None
+    # the checkpoint callback stays, as in Lightning, and skips every check
+    assert trainer.logger is None and trainer.checkpoint_callback is checkpoint
     assert os.listdir(tmp_path) == []  # no logs, no checkpoints
     assert jl.Trainer(fast_dev_run=True, logger=False).max_steps == 1
 

@@ -85,6 +85,22 @@ def test_fast_dev_run_trains_despite_limit_train_batches_zero():
     assert all(changed)
 
 
+@pytest.mark.parametrize("fast_dev_run", [1, 4])
+def test_fast_dev_run_keeps_checkpoint_and_early_stopping_callbacks_idle(tmp_path, fast_dev_run):
+    # trainer/flags/test_fast_dev_run.py::test_callbacks_and_logger_not_called_with_fastdevrun
+    checkpoint = jl.ModelCheckpoint(monitor="acc", save_top_k=-1, dirpath=tmp_path / "ckpt")
+    stopping = jl.EarlyStopping(monitor="acc", patience=0)
+    trainer = quiet_trainer(
+        max_epochs=3, fast_dev_run=fast_dev_run, callbacks=[checkpoint, stopping]
+    )
+    assert trainer.checkpoint_callback is checkpoint  # kept, as in Lightning
+    trainer.fit(LitMLP(), loader(X, Y, 8), loader(VX, VY, 8))
+    assert trainer.global_step == fast_dev_run
+    assert checkpoint.best_k_models == {} and checkpoint.best_model_path == ""
+    assert not (tmp_path / "ckpt").exists()  # nothing written, nothing opened
+    assert stopping.wait_count == 0 and stopping.stopped_epoch == 0
+
+
 @pytest.mark.parametrize(("value", "expected"), [(0.0, 0), (2.0, 2), (float("inf"), float("inf"))])
 def test_num_sanity_val_steps_accepts_floats(value, expected):
     # trainer/flags: num_sanity_val_steps=-1 reads back inf; Lightning takes a float too

@@ -37,7 +37,9 @@ class ModelCheckpoint(Callback):
     ``save_top_k`` by ``monitor`` (by recency without one); a check of
     ``every_n_train_steps`` or ``train_time_interval`` also saves it with
     ``save_last``, as the most recent one. A fit that saved nothing saves one at
-    its end with ``save_last``.
+    its end with ``save_last`` (Lightning saves its ``last.ckpt`` at every
+    epoch's end whatever the triggers). Under ``Trainer(fast_dev_run=...)``
+    nothing is saved.
 
     A checkpoint is the folder ``{dirpath}/{global_step}``; the most recent one is
     ``last_model_path`` (Lightning's ``last.ckpt``: here no separate copy). Saves
@@ -144,6 +146,8 @@ class ModelCheckpoint(Callback):
 
     # ----------------------------------------------------------------- hooks
     def on_fit_start(self, trainer: TrainerView, module: JaxModule) -> None:
+        if trainer.fast_dev_run:  # a smoke test: checks skip, nothing is opened or moved
+            return
         dirpath = self.resolve_dirpath(trainer)
         if self._pending_state is not None:
             self._adopt(self._pending_state)
@@ -209,7 +213,7 @@ class ModelCheckpoint(Callback):
         self._epoch_check(trainer, module, candidates)
 
     def on_train_end(self, trainer: TrainerView, module: JaxModule) -> None:
-        if self.save_last and not self._saved_any:
+        if self.save_last and not self._saved_any and not trainer.fast_dev_run:
             self._check(trainer, module, self._candidates(trainer), as_last=True, rank=False)
 
     def on_fit_end(self, trainer: TrainerView, module: JaxModule) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxlightning import checks
-from jaxlightning.callbacks import Callback, ModelCheckpoint, with_defaults
+from jaxlightning.callbacks import Callback, with_defaults
 from jaxlightning.callbacks.rollback import Rollback
 from jaxlightning.cluster import distributed
 from jaxlightning.data import Pipeline
@@ -263,17 +263,15 @@ def _loggers_and_callbacks(
     args: TrainerArgs, fast_dev_run: int, rollback: Rollback | None, default_root_dir: str
 ) -> tuple[Any, list[Callback]]:
     """The logger setting and the callbacks with the Trainer's defaults (a
-    fast dev run keeps no logger and no checkpoint)."""
+    fast dev run keeps no logger; its checkpoint callbacks skip every check)."""
     logger, callbacks = args.logger, as_list(args.callbacks)
-    checkpointing = args.enable_checkpointing
     if fast_dev_run:  # a few batches of everything; nothing kept
-        logger, checkpointing = False, False
-        callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+        logger = False
     if logger is True:
         logger = TensorBoardLogger(default_root_dir)
     callbacks = with_defaults(
         callbacks + ([rollback] if rollback is not None else []),
-        checkpointing=checkpointing,
+        checkpointing=args.enable_checkpointing,
         progress_bar=args.enable_progress_bar,
         summary=args.enable_model_summary,
         profiler=args.profiler,
