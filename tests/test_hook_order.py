@@ -9,7 +9,7 @@ Lightning's order of every hook jaxlightning has (or should have).
 Documented deviations from Lightning (entries of Lightning's lists left out here):
 
 - The module's traced hooks, ``setup(rng, batch)`` (it builds the variables; it is
-  not Lightning's ``setup(stage)``), ``configure_optimizers``, ``loss``,
+  not Lightning's ``setup(stage)``), ``loss``,
   ``eval_step``/``validation_step``/``test_step`` and ``predict_step``, are traced
   once under ``jit``: they are not per-batch events and are not recorded.
 - No ``forward``, ``backward``, ``zero_grad``, ``optimizer_zero_grad``,
@@ -141,6 +141,10 @@ class HookedModule(LitMLP):
     def __init__(self, called: list[dict[str, Any]], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.called = called
+
+    def configure_optimizers(self):  # on the host, once per fit: Lightning lists it
+        self.called.append({"name": "configure_optimizers"})
+        return super().configure_optimizers()
 
 
 def _module_hook(name: str):
@@ -295,6 +299,7 @@ def test_trainer_model_hook_system_fit(tmp_path):
     assert trainer.global_step == train_batches_
     expected = [
         cb("setup", stage="fit"),
+        {"name": "configure_optimizers"},
         *both("on_fit_start"),
         cb("on_sanity_check_start"),
         *evaluation("validation", val_batches),
@@ -332,6 +337,7 @@ def test_trainer_model_hook_system_fit_no_val_and_resume_max_epochs(tmp_path):
         *mod("on_load_checkpoint", global_step=2),
         cb("on_load_checkpoint", global_step=2),
         {"name": "Callback.load_state_dict", "state": {"foo": True}},
+        {"name": "configure_optimizers"},  # after the states, as Lightning
         *both("on_fit_start"),
         *both("on_train_start"),
         *both("on_train_epoch_start"),
@@ -367,6 +373,7 @@ def test_trainer_model_hook_system_fit_no_val_and_resume_max_steps(tmp_path):
         *mod("on_load_checkpoint", global_step=1),
         cb("on_load_checkpoint", global_step=1),
         {"name": "Callback.load_state_dict", "state": {"foo": True}},
+        {"name": "configure_optimizers"},  # after the states, as Lightning
         *both("on_fit_start"),
         *both("on_train_start"),
         # resumed mid-epoch: no on_train_epoch_start; the epoch cut short by

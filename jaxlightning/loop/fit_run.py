@@ -93,10 +93,14 @@ class FitRun:
                 UserWarning,
                 stacklevel=3,  # the user's fit line
             )
-        tx = self._optimizer(module, manual)
         path = self._checkpoint(ckpt_path)
         meta = read_meta(path) if path else None
+        if meta is not None:  # Lightning's order: the states, then configure_optimizers
+            resume.load_states(self.hooks, self.stages.datamodule, module, meta)
+        tx = self._optimizer(module, manual)
         if meta is not None:
+            if self._stepper is not None:  # the scheduler's state, as Lightning's restore
+                resume.load_callback_states(self.hooks, meta, only=self._stepper)
             self.reporter.resume_in(meta.get("log_dir"))
         resume.start_from(meta, self.progress, data)
         # A fresh run always builds its state, even to train 0 steps (max_steps=0
@@ -177,8 +181,6 @@ class FitRun:
             self.program.check_memory(module, tx, example)  # before anything runs
             self.program.hold(module, path)
             self.evaluation.programs.forget()  # the evaluations compile for this fit's state
-            if meta is not None:
-                resume.load_states(self.hooks, self.stages.datamodule, module, meta)
             self.stop.reset()
             self.progress.position = (self.progress.current_epoch, data.skip)
             self.reporter.fix_run_dirs()  # on every process at once

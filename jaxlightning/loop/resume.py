@@ -67,9 +67,10 @@ def resolve_ckpt_path(
 
 
 def load_states(hooks: Hooks, datamodule: Any, module: JaxModule, meta: Mapping[str, Any]) -> None:
-    """Hands a resumed checkpoint's record out in Lightning's order: the module's
-    ``on_load_checkpoint``, the datamodule's state, the callbacks'
-    ``on_load_checkpoint``, then their states (``load_state_dict``)."""
+    """Hands a resumed checkpoint's record out in Lightning's order (before
+    ``configure_optimizers``): the module's ``on_load_checkpoint``, the
+    datamodule's state, the callbacks' ``on_load_checkpoint``, then their
+    states (``load_state_dict``)."""
     module.on_load_checkpoint(dict(meta))
     if datamodule is not None and "datamodule" in meta:
         datamodule.load_state_dict(meta["datamodule"])
@@ -77,10 +78,16 @@ def load_states(hooks: Hooks, datamodule: Any, module: JaxModule, meta: Mapping[
         fn = getattr(callback, "on_load_checkpoint", None)
         if fn is not None:
             fn(hooks.view, module, dict(meta))
+    load_callback_states(hooks, meta)
+
+
+def load_callback_states(hooks: Hooks, meta: Mapping[str, Any], only: Any = None) -> None:
+    """Each callback's saved state to its ``load_state_dict`` (``only``: to that
+    callback alone: a scheduler's stepper, added by ``configure_optimizers``)."""
     states = meta.get("callbacks", {})
     for (key, cb), (old, _) in zip(hooks.keyed(), hooks.keyed(legacy=True), strict=True):
         state = states.get(key, states.get(old))  # older checkpoints: by class name
-        if state is not None and hasattr(cb, "load_state_dict"):
+        if state is not None and hasattr(cb, "load_state_dict") and only in (None, cb):
             cb.load_state_dict(state)
 
 
