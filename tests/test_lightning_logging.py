@@ -562,6 +562,49 @@ def test_on_step_in_validation_logs_each_batch_and_the_epoch(tmp_path):
     np.testing.assert_allclose(got, batch_means, rtol=1e-5)
 
 
+class EvalPerBatch(LitMLP):
+    """Logs its evaluation loss per batch and per run, and a value kept from
+    the loggers."""
+
+    def eval_step(self, variables, batch):
+        x, y = batch
+        loss = optax.softmax_cross_entropy_with_integer_labels(self.net.apply(variables, x), y)
+        self.log("loss", loss, on_step=True, on_epoch=True)
+        self.log("hidden", 1.0, logger=False)
+
+
+def test_a_fits_validations_log_their_batches_at_steps_counted_across_them(tmp_path):
+    # Lightning's _EvaluationLoop: update_eval_step_metrics(_seen_batches_per_dataloader[i]),
+    # reset only when the loaders are set up again (once per fit); the sanity
+    # check's batches are not logged. Checked against Lightning 2.6 itself.
+    logger = jl.CSVLogger(str(tmp_path))
+    trainer = lightning_trainer(logger=logger, max_epochs=2, num_sanity_val_steps=2)
+    trainer.fit(EvalPerBatch(), loader(X[:24], Y[:24], 8), loader(VX, VY, 8))
+    logger.save()
+    steps = [int(r["step"]) for r in _csv_rows(logger) if r.get("loss_step")]
+    assert steps == [0, 1, 2, 3, 4, 5]  # 3 batches per validation, two validations
+    trainer.validate(trainer.lightning_module, loader(VX, VY, 8))  # a new call: from 0
+    logger.save()
+    steps = [int(r["step"]) for r in _csv_rows(logger) if r.get("loss_step")]
+    assert steps[6:] == [0, 1, 2]
+
+
+def test_test_returns_the_logged_values_under_the_loggers_names():
+    # What Lightning 2.6 returns (checked): per loader, the values logged with
+    # logger=True, named as the loggers get them (the level, then the loader:
+    # `loss_epoch/dataloader_idx_0`); callback_metrics also has the plain names.
+    module = EvalPerBatch(init_variables=init_mlp())
+    trainer = lightning_trainer()
+    results = trainer.test(module, [loader(VX, VY, 8), loader(VX[:8], VY[:8], 8)])
+    assert [set(r) for r in results] == [
+        {"loss_epoch/dataloader_idx_0"},
+        {"loss_epoch/dataloader_idx_1"},
+    ]
+    (single,) = trainer.test(module, loader(VX, VY, 8))
+    assert set(single) == {"loss_epoch"}
+    assert set(trainer.callback_metrics) == {"loss", "loss_epoch", "hidden"}
+
+
 def _batch_hook_logs(log, root, lightning):
     """What ``log(module_or_pl_module, batch_idx)`` in the training batch hooks
     sends to a CSVLogger and leaves in ``callback_metrics``: (step, name,

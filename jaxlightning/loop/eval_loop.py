@@ -149,10 +149,10 @@ class EvalLoop:
                 )
                 # on_step=True values, each batch's own, fetched with the run's (one copy)
                 self.reporter.log_batches(
-                    [report(prefix, options, m, "step", suffix) for m in per_batch]
+                    [report(prefix, options, m, "step", suffix) for m in per_batch], i
                 )
                 values = report(prefix, options, metrics, "epoch", suffix)
-                results.append(values.values)
+                results.append(values.results)
                 everything.update(values)
             self.reporter.publish(everything)
             self.hooks(f"on_{stage}_epoch_end", module)

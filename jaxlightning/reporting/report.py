@@ -33,16 +33,20 @@ def full_name(prefix: str | None, name: str) -> str:
 @dataclasses.dataclass
 class Report:
     """Values to hand out: ``values`` to ``callback_metrics`` (all of them),
-    ``logged`` to the loggers, ``bar`` to the progress bar."""
+    ``logged`` to the loggers, ``bar`` to the progress bar; ``results`` is what
+    an evaluation returns (Lightning's rule: the values logged with
+    ``logger=True``, under the names the loggers get, matrices included)."""
 
-    values: dict[str, float] = dataclasses.field(default_factory=dict)
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
     logged: dict[str, float] = dataclasses.field(default_factory=dict)
     bar: dict[str, float] = dataclasses.field(default_factory=dict)
+    results: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def update(self, other: Report) -> None:
         self.values.update(other.values)
         self.logged.update(other.logged)
         self.bar.update(other.bar)
+        self.results.update(other.results)
 
 
 def report(
@@ -67,9 +71,14 @@ def report(
         value = host_value(metric)
         if value is None:
             continue
-        plain = full_name(prefix, name) + (suffix if opts.add_dataloader_idx else "")
-        key = plain + (f"_{level}" if opts.on_step and opts.on_epoch else "")
+        name = full_name(prefix, name)
+        suffix_here = suffix if opts.add_dataloader_idx else ""
+        plain = name + suffix_here
+        # Lightning's order: the level, then the loader (`loss_epoch/dataloader_idx_0`)
+        key = name + (f"_{level}" if opts.on_step and opts.on_epoch else "") + suffix_here
         out.values[key] = out.values[plain] = value
+        if opts.logger:
+            out.results[key] = value
         if not isinstance(value, float):
             continue  # a matrix: callback_metrics and results only (loggers take numbers)
         if opts.logger:

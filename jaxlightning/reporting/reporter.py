@@ -50,11 +50,13 @@ class Reporter:
         self._discard = False
         self._host_logged: dict[str, float] | None = None
         self.batch_logs = BatchLogs()  # what the training batch hooks log
+        self.eval_steps: dict[int, int] = {}  # evaluation batches logged, by loader
 
     def reset(self) -> None:
         """Forgets every reported value (a Trainer call starts, as in Lightning)."""
         self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
         self.batch_logs = BatchLogs()
+        self.eval_steps = {}
 
     def prefix(self, stage: str) -> str | None:
         """The prefix names logged in ``stage`` (``"train"``, ``"val"``,
@@ -85,14 +87,18 @@ class Reporter:
             for logger in self.loggers:
                 logger.log_metrics(sent, step=self.progress.log_step)
 
-    def log_batches(self, reports: list[Report]) -> None:
-        """An evaluation's per-batch values (``on_step=True``) to the loggers, at
-        the batch's index in the run, as Lightning logs them; the last are in
-        ``logged_metrics`` (not in ``callback_metrics``: Lightning keeps
-        evaluation step values out of it)."""
+    def log_batches(self, reports: list[Report], loader: int = 0) -> None:
+        """An evaluation's per-batch values (``on_step=True``) of loader number
+        ``loader`` to the loggers, as Lightning logs them: at the count of that
+        loader's batches evaluated before in this Trainer call (a fit's
+        validations count on from one to the next; the sanity check's do not
+        count). The last are in ``logged_metrics`` (not in ``callback_metrics``:
+        Lightning keeps evaluation step values out of it)."""
         if self._discard:
             return
-        for batch_idx, values in enumerate(reports):
+        start = self.eval_steps.get(loader, 0)
+        self.eval_steps[loader] = start + len(reports)
+        for batch_idx, values in enumerate(reports, start):
             if not values.logged:
                 continue
             self.logged_metrics = {**self.logged_metrics, **values.logged}
