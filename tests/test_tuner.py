@@ -39,13 +39,17 @@ def test_power_and_binsearch_find_the_fitting_boundary_and_set_the_batch_size():
     assert found % 2 == 0 and found >= 256
     assert _peak(trainer, module, train, found) <= budget
     assert _peak(trainer, module, train, found + 2) > budget
-    # Lightning's default 5% safety margin, down to a multiple of the devices
+    # Lightning's default 5% safety margin, not rounded to the devices (a batch
+    # is padded to a multiple of them), as batch_size_scaling.py's max(1, int(...))
     safe = jl.Tuner(trainer).scale_batch_size(
         module, train, mode="binsearch", max_bytes=budget, init_val=3
     )
-    assert safe == int(found * 0.95) // 2 * 2 == module.batch_size
-    trainer.fit(module, loader(*digits(64), found))  # and it trains
+    assert safe == int(found * 0.95) == module.batch_size
+    trainer.fit(module, loader(*digits(64), safe))  # and it trains, a device padded
     assert trainer.global_step == 1
+    # max_trials=0: no trial, the first size (Lightning's loop of no trials)
+    assert jl.Tuner(trainer).scale_batch_size(module, train, init_val=5, max_trials=0) == 5
+    assert module.batch_size == 5
 
 
 def test_what_cannot_be_tuned_is_named():

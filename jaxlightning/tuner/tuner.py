@@ -62,7 +62,7 @@ class Tuner:
             datamodule: a `DataModule` giving the training loader.
             mode: ``"power"`` or ``"binsearch"``.
             init_val: the first size tried.
-            max_trials: the most compiles.
+            max_trials: the most compiles (0: none, ``init_val`` is the size).
             max_bytes: one device's memory for the step (default: the smallest
                 device's limit; required where devices report none, as on CPU).
             batch_arg_name: the attribute or hyperparameter to set.
@@ -71,8 +71,7 @@ class Tuner:
             steps_per_trial: accepted for Lightning's signature: no step runs
                 here, each candidate is only compiled.
             margin: with ``"binsearch"``, the size found is lowered by this
-                fraction (Lightning's 5% safety margin), to a multiple of the
-                devices.
+                fraction (Lightning's 5% safety margin: 8 becomes 7).
 
         Returns:
             The size, or ``None`` under ``fast_dev_run`` (nothing is tuned,
@@ -99,7 +98,7 @@ class Tuner:
                 max_trials=max_trials,
             )
         if mode == "binsearch" and margin > 0:
-            low = _less_margin(low, margin, trainer.strategy.num_local_shards)
+            low = _less_margin(low, margin)
         _set_batch_size(model, datamodule, batch_arg_name, low)
         return low
 
@@ -189,14 +188,14 @@ def _check_search_args(
     if mode not in ("power", "binsearch"):
         raise ValueError(f'mode must be "power" or "binsearch", got {mode!r}')
     checks.int_arg("init_val", init_val, minimum=1)
-    checks.int_arg("max_trials", max_trials, minimum=1)
+    checks.int_arg("max_trials", max_trials, minimum=0)
 
 
-def _less_margin(size: int, margin: float, shards: int) -> int:
-    """``size`` lowered by the fraction ``margin``, down to a multiple of
-    ``shards`` (and at least one row per shard), as a safety margin under the
-    largest size that fit."""
-    return max(int(size * (1 - margin)) // shards * shards, shards)
+def _less_margin(size: int, margin: float) -> int:
+    """``size`` lowered by the fraction ``margin`` (at least 1), as a safety
+    margin under the largest size that fit: Lightning's rule. Any size runs
+    (a batch is padded to a multiple of the devices), so it is not rounded."""
+    return max(int(size * (1 - margin)), 1)
 
 
 def _search(
@@ -225,6 +224,8 @@ def _search(
             )
         return cost.peak_bytes + resident <= budget
 
+    if max_trials == 0:  # no trial: the first size, as Lightning's loop of no trials
+        return init_val
     size, trials = init_val, 1
     if not fits(size):
         beside = (
