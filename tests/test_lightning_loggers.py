@@ -188,3 +188,23 @@ def test_log_hyperparams_without_params_writes_an_empty_file(tmp_path, kind):
     logger.finalize("success")
     with open(os.path.join(logger.log_dir, "hparams.yaml")) as f:
         assert yaml.safe_load(f) in ({}, None)
+
+
+def test_csv_into_an_existing_version_replaces_the_old_runs_metrics(tmp_path):
+    """fabric/loggers/csv_logs.py::_ExperimentWriter._check_log_dir_exists (and
+    test_csv.py's version tests): a fixed version whose folder holds another
+    run's metrics.csv warns and starts the file over; a fit resumed from that
+    run's checkpoint continues it instead."""
+    first = jl.CSVLogger(tmp_path, version=0)
+    first.log_metrics({"old": 1.0}, step=0)
+    first.save()
+    second = jl.CSVLogger(tmp_path, version=0)
+    second.log_metrics({"new": 2.0}, step=5)
+    with pytest.warns(UserWarning, match="exists and is not empty"):
+        second.save()
+    assert _rows(second) == [{"step": "5", "new": "2.0"}]
+    third = jl.CSVLogger(tmp_path, version=0)
+    third.resume_in(third.log_dir)  # what a resumed fit does first
+    third.log_metrics({"new": 3.0}, step=6)
+    third.save()
+    assert [r["new"] for r in _rows(third)] == ["2.0", "3.0"]

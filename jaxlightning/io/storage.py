@@ -121,6 +121,17 @@ def open_file(path: str, mode: str = "r", **kwargs: Any) -> Iterator[IO[Any]]:
         yield f
 
 
+def remove(path: str) -> None:
+    """Deletes the file ``path`` (nothing if it is not there)."""
+    if not is_remote(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        return
+    fs, key = _fs(path)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(key)
+
+
 def remove_tree(path: str) -> None:
     if not is_remote(path):
         shutil.rmtree(path, ignore_errors=True)

@@ -132,6 +132,7 @@ class VersionedLogger(Logger):
         self.save_dir = os.fspath(save_dir)
         self.name = name or ""  # None or "": versions directly under save_dir, as Lightning
         self._version = version
+        self.continues = False  # a resumed fit logs on into its run directory
 
     @property
     def root_dir(self) -> str:
@@ -141,13 +142,14 @@ class VersionedLogger(Logger):
 
     def resume_in(self, log_dir: str) -> None:
         """Logs into ``log_dir`` when it is one of this logger's version folders and
-        no version is fixed yet, so a resumed run stays one run."""
-        if self._version is not None:
-            return
-        parent, leaf = storage.split(log_dir)
-        match = _VERSION_DIR.fullmatch(leaf)
-        if match and parent == storage.resolve(self.root_dir):
-            self._version = int(match.group(1))
+        no version is fixed yet, so a resumed run stays one run (`continues`:
+        its files are continued, not replaced)."""
+        if self._version is None:
+            parent, leaf = storage.split(log_dir)
+            match = _VERSION_DIR.fullmatch(leaf)
+            if match and parent == storage.resolve(self.root_dir):
+                self._version = int(match.group(1))
+        self.continues = self.continues or storage.resolve(self.log_dir) == storage.resolve(log_dir)
 
     @property
     def version(self) -> int | str:

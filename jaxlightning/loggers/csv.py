@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -74,9 +75,12 @@ class CSVLogger(VersionedLogger):
             return
         storage.makedirs(self.log_dir)
         path = self.metrics_file_path
-        if not self._header and storage.exists(path):  # a resumed run: continue the file
-            with storage.open_file(path, newline="") as f:
-                self._header = next(csv.reader(f), [])
+        if not self._header and storage.exists(path):
+            if not self.continues:  # another run's file: replaced, as Lightning's
+                self._replace_old_run(path)
+            else:  # a resumed run: continue the file
+                with storage.open_file(path, newline="") as f:
+                    self._header = next(csv.reader(f), [])
         new = [k for row in self._rows for k in row if k not in self._header]
         # An object cannot be appended to: it is written whole each time.
         if new or storage.is_remote(path):
@@ -93,6 +97,17 @@ class CSVLogger(VersionedLogger):
             with open(path, "a", newline="") as f:
                 csv.DictWriter(f, fieldnames=self._header).writerows(self._rows)
         self._rows = []
+
+    def _replace_old_run(self, path: str) -> None:
+        warnings.warn(
+            f"Experiment logs directory {self.log_dir} exists and is not empty: its "
+            "metrics.csv, of an earlier run, is replaced by this run's (resume from a "
+            "checkpoint of that run to continue it, or leave version unset for a new "
+            "folder)",
+            UserWarning,
+            stacklevel=4,
+        )
+        storage.remove(path)
 
     def finalize(self, status: str = "success") -> None:
         self.save()
