@@ -183,6 +183,7 @@ class Trainer:
     stage = _read("_stages", "stage", '"fit", "validate", "test" or "predict" while running.')
     interrupted = _read("_stages", "interrupted", "The last call failed or was interrupted.")
     datamodule = _read("_stages", "datamodule", "The datamodule of the last call with one.")
+    ckpt_path = _read("_stages", "ckpt_path", "The checkpoint the (last) call loaded, or None.")
 
     @property
     def lightning_module(self) -> JaxModule | None:
@@ -361,6 +362,10 @@ class Trainer:
             )
         return module if module is not None else self._lightning_module, dataloaders, datamodule
 
+    def _loaded(self, ckpt_path: Any) -> None:
+        if ckpt_path is not None:  # (resolved again where it is read: the same folder)
+            self._stages.ckpt_path = self._resolve_ckpt_path(ckpt_path)
+
     def _run_eval_stage(
         self, stage: str, module: JaxModule, dataloaders: Any, datamodule: Any, ckpt_path: Any
     ) -> list[dict[str, float]]:
@@ -368,6 +373,7 @@ class Trainer:
         with self._stages.running(call, module, datamodule):
             dataloaders = as_eval_loaders(stage_loaders(stage, dataloaders, datamodule, module))
             checks.module_hooks(module, eval_hook(module, stage))
+            self._loaded(ckpt_path)
             self._reporter.fix_run_dirs()  # on every process at once
             return self._evaluation.run(stage, module, dataloaders, ckpt_path)
 
@@ -402,6 +408,7 @@ class Trainer:
             loaders = stage_loaders("predict", dataloaders, datamodule, module)
             dataloaders = as_eval_loaders(loaders)
             checks.module_hooks(module, "predict_step")
+            self._loaded(ckpt_path)
             out = self._evaluation.predict(module, dataloaders, ckpt_path, concatenate)
         return None if return_predictions is False else out
 

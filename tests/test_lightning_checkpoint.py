@@ -692,3 +692,23 @@ def test_two_checkpoints_in_one_dirpath_that_save_different_contents_are_refused
     trainer = lightning_trainer(max_epochs=1, callbacks=[full, weights])
     with pytest.raises(ValueError, match="save_weights_only=True.*dirpath of its own"):
         trainer.fit(Logged(), data(2))
+
+
+def test_the_checkpoint_resumed_from_is_never_deleted(tmp_path):
+    # Lightning's ModelCheckpoint._should_remove_checkpoint: "the previous
+    # checkpoint is the checkpoint the Trainer resumed from" is kept (its
+    # test_model_checkpoint.py resume tests with save_top_k=2 into the same dirpath).
+    def fit(values, max_epochs, ckpt_path=None):
+        ckpt = jl.ModelCheckpoint(tmp_path, monitor="val_log", save_top_k=2)
+        trainer = lightning_trainer(callbacks=[ckpt], num_sanity_val_steps=0, max_epochs=max_epochs)
+        module = Logged(val_values={"val_log": values})
+        trainer.fit(module, data(2), data(1), ckpt_path=ckpt_path)
+        return trainer, ckpt
+
+    fit([5.0, 4.0], max_epochs=2)  # keeps steps 2 and 4
+    assert steps(tmp_path) == [2, 4]
+    with pytest.warns(UserWarning, match="Moved them to"):  # step 4: another future
+        trainer, ckpt = fit([3.0, 2.0], max_epochs=3, ckpt_path=str(tmp_path / "2"))
+    assert trainer.ckpt_path == str(tmp_path / "2")
+    assert set(ckpt.best_k_models) == {str(tmp_path / "4"), str(tmp_path / "6")}
+    assert steps(tmp_path) == [2, 4, 6]  # 2 left the top 2 but is where it resumed from

@@ -130,6 +130,7 @@ class ModelCheckpoint(Callback):
         self._deferred: dict[str, float] | None = None  # epoch-end validation's values
         self._warned_missing = False
         self._pending_state: dict[str, Any] | None = None
+        self._resumed_from: str | None = None  # never deleted (Lightning's rule)
 
     # ------------------------------------------------------------ locations
     def resolve_dirpath(self, trainer: TrainerView) -> str:
@@ -149,6 +150,8 @@ class ModelCheckpoint(Callback):
         if trainer.fast_dev_run:  # a smoke test: checks skip, nothing is opened or moved
             return
         dirpath = self.resolve_dirpath(trainer)
+        resumed = trainer.ckpt_path
+        self._resumed_from = storage.resolve(resumed) if resumed else None
         if self._pending_state is not None:
             self._adopt(self._pending_state)
             self._pending_state = None
@@ -518,7 +521,8 @@ class ModelCheckpoint(Callback):
 
     def _prune(self) -> None:
         """Deletes the complete checkpoints the policy no longer keeps (only ones
-        this callback wrote: a shared folder may hold others)."""
+        this callback wrote: a shared folder may hold others; never the one the
+        fit resumed from, as Lightning's ``_should_remove_checkpoint``)."""
         keep = {r["step"] for r in self._top_k(self._records)}
         latest = self._records[-1] if self._records else None
         if latest is not None and (self.save_last or latest.get("resume_point")):
@@ -532,7 +536,8 @@ class ModelCheckpoint(Callback):
         for step in dropped:
             if step in self._known and self._folder is not None:
                 self._known.discard(step)
-                if self._folder.release(step, self) and step in on_disk:
+                resumed_from = self._path(step) == self._resumed_from
+                if self._folder.release(step, self) and step in on_disk and not resumed_from:
                     self._writer.delete(step)
 
     def finish(self, *, prune: bool) -> None:

@@ -93,7 +93,7 @@ class FitRun:
                 UserWarning,
                 stacklevel=3,  # the user's fit line
             )
-        path = self._checkpoint(ckpt_path)
+        path = self.stages.ckpt_path = self._checkpoint(ckpt_path)
         meta = read_meta(path) if path else None
         if meta is not None:  # Lightning's order: the states, then configure_optimizers
             resume.load_states(self.hooks, self.stages.datamodule, module, meta)

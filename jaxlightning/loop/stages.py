@@ -30,6 +30,8 @@ class Stages:
             runs, else ``None``.
         interrupted: the last call failed or was interrupted (Lightning's flag).
         datamodule: the datamodule of the last call that had one.
+        ckpt_path: the checkpoint folder the running (or last) call loaded,
+            ``None`` for none (Lightning's ``trainer.ckpt_path``).
     """
 
     def __init__(self, view: Any, hooks: Hooks, reporter: Reporter, strategy: Strategy) -> None:
@@ -40,6 +42,7 @@ class Stages:
         self.stage: str | None = None
         self.interrupted = False
         self.datamodule: Any = None
+        self.ckpt_path: str | None = None
 
     @contextlib.contextmanager
     def running(self, stage: str, module: JaxModule, datamodule: Any) -> Iterator[None]:
@@ -47,7 +50,7 @@ class Stages:
         ``on_exception`` when it fails; the datamodule is prepared and set up.
         The module sees the Trainer (``self.trainer``) only while it runs."""
         previous = self.stage
-        self.stage = stage
+        self.stage, self.ckpt_path = stage, None
         with contract.attached(module, self.view, self.reporter.log_host):
             try:
                 if datamodule is not None:
