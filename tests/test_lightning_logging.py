@@ -605,6 +605,49 @@ def test_test_returns_the_logged_values_under_the_loggers_names():
     assert set(trainer.callback_metrics) == {"loss", "loss_epoch", "hidden"}
 
 
+class LogsInEvalBatchHooks(LitMLP):
+    def on_validation_batch_end(self, batch_idx):
+        self.log("hook_mean", float(batch_idx))  # eval defaults: on_epoch only
+        self.log("hook_step", float(batch_idx) * 10, on_step=True, on_epoch=False)
+
+
+def test_values_logged_in_evaluation_batch_hooks_as_lightning(tmp_path):
+    # Checked against Lightning 2.6 run here (validate, 3 batches of 8): the
+    # hook's default value is the loader's mean (1.0, not the last 2.0); a step
+    # value goes to the loggers at each batch's evaluation step only; with two
+    # loaders each gets its own suffixed mean.
+    logger = jl.CSVLogger(str(tmp_path))
+    trainer = lightning_trainer(logger=logger)
+    module = LogsInEvalBatchHooks(init_variables=init_mlp())
+    (result,) = trainer.validate(module, loader(VX, VY, 8))
+    assert set(result) == set(trainer.callback_metrics) == {"hook_mean", "loss", "acc"}
+    assert result["hook_mean"] == 1.0
+    logger.save()
+    steps = [(int(r["step"]), float(r["hook_step"])) for r in _csv_rows(logger) if r["hook_step"]]
+    assert steps == [(0, 0.0), (1, 10.0), (2, 20.0)]
+    results = trainer.validate(module, [loader(VX, VY, 8), loader(VX, VY, 8)])
+    for i, values in enumerate(results):
+        assert values[f"hook_mean/dataloader_idx_{i}"] == 1.0
+
+
+def test_values_logged_in_on_test_epoch_end_reach_the_loggers_with_the_tests(tmp_path):
+    # Lightning's _EvaluationLoop.on_run_end: the epoch-end hook's values and the
+    # loader's go out in one log_eval_end_metrics call (one CSV row here)
+    logger = jl.CSVLogger(str(tmp_path))
+    seen = {}
+
+    def at_end(m):
+        seen.update(m.trainer.callback_metrics)
+        m.log("e", 3.0)
+
+    module = Logs(init_variables=init_mlp(), host={"on_test_epoch_end": at_end})
+    lightning_trainer(logger=logger).test(module, loader(VX, VY, 8))
+    logger.save()
+    (row,) = _csv_rows(logger)
+    assert float(row["e"]) == 3.0 and row["acc"] and row["loss"]
+    assert {"acc", "loss"} <= set(seen)  # the hook already saw the loader's values
+
+
 def _batch_hook_logs(log, root, lightning):
     """What ``log(module_or_pl_module, batch_idx)`` in the training batch hooks
     sends to a CSVLogger and leaves in ``callback_metrics``: (step, name,

@@ -3,6 +3,7 @@ the sanity check, with their hooks in Lightning's order."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,7 @@ from jaxlightning.module import JaxModule
 from jaxlightning.programs.compiled import batch_args
 from jaxlightning.programs.evaluation import EvalPrograms
 from jaxlightning.progress import Progress
+from jaxlightning.reporting.batch_logs import BatchLogs
 from jaxlightning.reporting.report import Report, report
 from jaxlightning.reporting.reporter import Reporter
 from jaxlightning.training import contract
@@ -32,6 +34,24 @@ def eval_hook(module: JaxModule, stage: str) -> str:
     where the module defines it, else ``eval_step``."""
     specific = {"validation": "validation_step", "test": "test_step"}[stage]
     return specific if contract.overrides(module, specific) else "eval_step"
+
+
+@dataclasses.dataclass
+class _HooksLogged:
+    """What a loader's batch hooks logged on the host: each batch's step values
+    for the loggers, and the loader's epoch values."""
+
+    steps: list[Report]
+    epoch: Report
+
+
+def _with_hooks_steps(steps: list[Report], hooks_steps: list[Report]) -> list[Report]:
+    """Each batch's step values: the traced step's and its hooks' together."""
+    if not steps:
+        return hooks_steps if any(r.logged for r in hooks_steps) else []
+    for values, logged in zip(steps, hooks_steps, strict=True):
+        values.update(logged)
+    return steps
 
 
 def as_list(loaders: Any) -> list[Any]:
@@ -144,18 +164,19 @@ class EvalLoop:
                 suffix = f"/dataloader_idx_{i}" if len(loaders) > 1 else ""
                 checkpoint = ckpt_path if i == 0 else None
                 index = i if len(loaders) > 1 else None  # Lightning passes it with several
-                metrics, options, per_batch = self._evaluate_loader(
+                metrics, options, per_batch, hooks_logged = self._evaluate_loader(
                     stage, module, loader, checkpoint, counts[i], index
                 )
                 # on_step=True values, each batch's own, fetched with the run's (one copy)
-                self.reporter.log_batches(
-                    [report(prefix, options, m, "step", suffix) for m in per_batch], i
-                )
+                steps = [report(prefix, options, m, "step", suffix) for m in per_batch]
+                self.reporter.log_batches(_with_hooks_steps(steps, hooks_logged.steps), i)
                 values = report(prefix, options, metrics, "epoch", suffix)
+                values.update(hooks_logged.epoch)
                 results.append(values.results)
                 everything.update(values)
-            self.reporter.publish(everything)
-            self.hooks(f"on_{stage}_epoch_end", module)
+            with self.reporter.one_write():
+                self.reporter.publish(everything)
+                self.hooks(f"on_{stage}_epoch_end", module)
             self.hooks(f"on_{stage}_end", module)
         # What the module's hooks logged on the host belongs to every loader's results.
         return [{**r, **host_logged} for r in results] if publish else []
@@ -199,10 +220,14 @@ class EvalLoop:
         ckpt_path: Any,
         limit: int | None,
         dataloader_idx: int | None = None,
-    ) -> tuple[Metrics, dict[str, LogOptions], list[Metrics]]:
-        """The run's metrics on the host, their options, and each batch's own
-        metrics of the names logged with ``on_step=True``."""
+    ) -> tuple[Metrics, dict[str, LogOptions], list[Metrics], _HooksLogged]:
+        """The run's metrics on the host, their options, each batch's own
+        metrics of the names logged with ``on_step=True``, and what the batch
+        hooks logged on the host."""
         hook = eval_hook(module, stage)
+        suffix = "" if dataloader_idx is None else f"/dataloader_idx_{dataloader_idx}"
+        logs = self.reporter.eval_batch_logs = BatchLogs(evaluation=True, suffix=suffix)
+        hook_steps = []
         epoch = self.progress.current_epoch
         with self.pipeline.eval_pass(loader, f"the {stage} dataloader", limit, epoch) as batches:
             variables = self._variables(module, batches.first, ckpt_path)
@@ -213,6 +238,7 @@ class EvalLoop:
             kept = ranked + [step_key(n) for n, o in options.items() if o.on_step]
             steps = []  # each step's rank-metric rows and own values (on device until the end)
             for batch_idx, batch in enumerate(batches):
+                logs.batch(batch_idx, batch.host.real)
                 self.hooks(f"on_{stage}_batch_start", module, batch_idx)
                 out = eval_step(variables, acc, *batch_args(batch))
                 acc = {n: m for n, m in out.items() if n in acc}
@@ -220,6 +246,7 @@ class EvalLoop:
                     steps.append({n: out[n] for n in kept})
                 self.held.throttle(out)
                 self.hooks(f"on_{stage}_batch_end", module, batch_idx)
+                hook_steps.append(logs.step_report())
             self.held.drain()
         metrics = self.held.fetch(acc)
         fetched = self.held.fetch(steps)
@@ -227,7 +254,9 @@ class EvalLoop:
             formula = options[name].metric.empty().formula  # type: ignore[union-attr]
             metrics[name] = Rows.concatenate([s[name] for s in fetched], formula)
         per_batch = [{n: s[step_key(n)] for n, o in options.items() if o.on_step} for s in fetched]
-        return {n: metrics[n] for n in options}, options, per_batch if kept != ranked else []
+        per_batch = per_batch if kept != ranked else []
+        hooks_logged = _HooksLogged(hook_steps, logs.epoch_end(completed=True))
+        return {n: metrics[n] for n in options}, options, per_batch, hooks_logged
 
     # ------------------------------------------------------------- predict
     def predict(

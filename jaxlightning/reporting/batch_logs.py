@@ -1,4 +1,4 @@
-"""Values a module logs in its training batch hooks, reported as Lightning does.
+"""Values a module logs in its batch hooks, reported as Lightning does.
 
 ``self.log`` in ``on_train_batch_start`` or ``on_train_batch_end`` is a host
 number, logged per batch. Lightning's rules for these hooks: ``on_step=True,
@@ -9,6 +9,12 @@ batches weighted by their rows, reported at the epoch's end; with both, the
 names get ``_step`` and ``_epoch`` (the plain name holds the latest of the
 two). Like the values of traced hooks, step values also go out for an
 epoch's last, partial interval.
+
+In an evaluation's batch hooks (``on_validation_batch_end``, ...) the
+defaults are ``on_step=False, on_epoch=True``: the loader's row-weighted mean,
+reported with the loader's values (named with its ``/dataloader_idx_N``
+with several loaders); a step value goes to the loggers only, at the batch's
+evaluation step, as the traced hooks' do (`EVAL`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ import dataclasses
 from jaxlightning.reporting.report import Report
 
 HOOKS = frozenset({"on_train_batch_start", "on_train_batch_end"})
+EVAL_HOOKS = frozenset(
+    f"on_{stage}_batch_{when}" for stage in ("validation", "test") for when in ("start", "end")
+)
 
 
 @dataclasses.dataclass
@@ -29,20 +38,22 @@ class _Logged:
     total: float = 0.0  # the epoch's row-weighted sum
     rows: int = 0
 
-    def show(self, out: Report, plain: str, level: str, value: float) -> str:
+    def show(self, out: Report, name: str, level: str, value: float, suffix: str = "") -> str:
         """Puts ``value`` of ``level`` (``"step"``, ``"epoch"``) in ``out``'s
         ``callback_metrics`` and bar values; returns its name for the loggers."""
-        key = f"{plain}_{level}" if self.on_step and self.on_epoch else plain
-        out.values[key] = out.values[plain] = value
+        key = (f"{name}_{level}" if self.on_step and self.on_epoch else name) + suffix
+        out.values[key] = out.values[name + suffix] = value
         if self.prog_bar:
             out.bar[key] = value
         return key
 
 
 class BatchLogs:
-    """The training batch hooks' logged values of the running epoch."""
+    """The batch hooks' logged values of the running epoch (``evaluation``: of
+    the running loader of an evaluation, ``suffix`` its loader's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, evaluation: bool = False, suffix: str = "") -> None:
+        self.evaluation, self.suffix = evaluation, suffix
         self._logged: dict[str, _Logged] = {}
         self._pending: dict[str, float] = {}  # this batch's step values, for the loggers
         self._batch: int | None = None
@@ -65,9 +76,10 @@ class BatchLogs:
         logger: bool,
     ) -> Report:
         """Records a value; returns what shows at once (a step value)."""
+        default = not self.evaluation  # per step in training, per epoch in evaluation
         logged = _Logged(
-            on_step=True if on_step is None else on_step,
-            on_epoch=bool(on_epoch),
+            on_step=default if on_step is None else on_step,
+            on_epoch=(not default) if on_epoch is None else on_epoch,
             prog_bar=prog_bar,
             logger=logger,
         )
@@ -80,9 +92,11 @@ class BatchLogs:
             logged.total += value * self._rows
             logged.rows += self._rows
         if logged.on_step:
-            key = logged.show(out, name, "step", value)
+            key = logged.show(out, name, "step", value, self.suffix)
             if logged.logger:
                 self._pending[key] = value
+        if self.evaluation:  # its step values reach the loggers only
+            return Report()
         return out
 
     def step_report(self) -> Report:
@@ -100,9 +114,9 @@ class BatchLogs:
             if not logged.on_epoch or not logged.rows:
                 continue
             value = logged.total / logged.rows
-            key = logged.show(out, name, "epoch", value)
+            key = logged.show(out, name, "epoch", value, self.suffix)
             if logged.logger:
-                out.logged[key] = value
+                out.logged[key] = out.results[key] = value
         if completed:
             self._logged = {}
         return out

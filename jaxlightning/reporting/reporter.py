@@ -10,8 +10,8 @@ from typing import Any
 from jaxlightning.loggers import Logger
 from jaxlightning.loggers.base import VersionedLogger, finalize_all
 from jaxlightning.progress import Progress
+from jaxlightning.reporting.batch_logs import EVAL_HOOKS, BatchLogs
 from jaxlightning.reporting.batch_logs import HOOKS as BATCH_HOOKS
-from jaxlightning.reporting.batch_logs import BatchLogs
 from jaxlightning.reporting.report import Report
 
 
@@ -49,7 +49,9 @@ class Reporter:
         self.progress_bar_metrics: dict[str, float] = {}
         self._discard = False
         self._host_logged: dict[str, float] | None = None
+        self._held: dict[str, float] | None = None  # for one logger call (`one_write`)
         self.batch_logs = BatchLogs()  # what the training batch hooks log
+        self.eval_batch_logs = BatchLogs(evaluation=True)  # the evaluation's (per loader)
         self.eval_steps: dict[int, int] = {}  # evaluation batches logged, by loader
 
     def reset(self) -> None:
@@ -83,9 +85,29 @@ class Reporter:
             # Lightning's rule: every value logged in this Trainer call stays in
             # ``logged_metrics``; the loggers also get ``epoch`` unless it was logged.
             self.logged_metrics = {**self.logged_metrics, **values.logged}
-            sent = {"epoch": float(self.progress.current_epoch), **values.logged}
-            for logger in self.loggers:
-                logger.log_metrics(sent, step=self.progress.log_step)
+            if self._held is not None:
+                self._held.update(values.logged)
+                return
+            self._write(values.logged)
+
+    def _write(self, logged: Mapping[str, float]) -> None:
+        sent = {"epoch": float(self.progress.current_epoch), **logged}
+        for logger in self.loggers:
+            logger.log_metrics(sent, step=self.progress.log_step)
+
+    @contextlib.contextmanager
+    def one_write(self) -> Iterator[None]:
+        """Within the block (an evaluation's end and its epoch-end hooks), the
+        values published reach ``callback_metrics`` at once and the loggers in
+        one call when it ends, as Lightning's ``log_eval_end_metrics``."""
+        self._held = {}
+        try:
+            yield
+            held = self._held
+        finally:
+            self._held = None
+        if held:
+            self._write(held)
 
     def log_batches(self, reports: list[Report], loader: int = 0) -> None:
         """An evaluation's per-batch values (``on_step=True``) of loader number
@@ -143,9 +165,10 @@ class Reporter:
                 f"self.log({name!r}, ...) in a host-side hook got {what}; log a single "
                 "number (a scalar or one-element array)"
             ) from None
-        if hook in BATCH_HOOKS:
+        if hook in BATCH_HOOKS or hook in EVAL_HOOKS:
+            logs = self.batch_logs if hook in BATCH_HOOKS else self.eval_batch_logs
             opts = {"on_step": on_step, "on_epoch": on_epoch, "prog_bar": prog_bar}
-            self.publish(self.batch_logs.add(name, number, **opts, logger=logger))
+            self.publish(logs.add(name, number, **opts, logger=logger))
             return
         values = Report(values={name: number})
         if self._host_logged is not None:
