@@ -193,6 +193,7 @@ class FitLoop:
         first_idx = progress.batch_idx = group[0][0]
         batch_logs.batch(first_idx, group[0][1].host.real)
         if self.hooks("on_train_batch_start", module, first_idx) == -1:
+            progress.last_batch_idx = first_idx  # it ends the epoch: the last, as Lightning's
             return True  # the module skips the rest of the epoch (Lightning's -1)
         self.program.train_group([batch for _, batch in group])
         # Lightning steps the optimizer at the epoch's last batch with what the
@@ -209,6 +210,7 @@ class FitLoop:
                 batch_logs.batch(batch_idx, batch.host.real)
                 if i and self.hooks("on_train_batch_start", module, batch_idx) == -1:
                     skip_rest = True  # trained in this dispatch already: ends after it
+                    progress.last_batch_idx = batch_idx
                 progress.train_samples_seen += batch.host.real
                 updated = progress.count_micro_batch()
                 if partial and i == last:
