@@ -60,7 +60,8 @@ class ModelCheckpoint(Callback):
         save_top_k: keep the best k (``-1``: all, ``0``: none); without
             ``monitor`` only -1, 0 or 1.
         save_last: also keep the most recent checkpoint (saved at every step or
-            time trigger, and at the end of a fit that saved nothing).
+            time trigger, and at the end of a fit that saved nothing); off by
+            default (``None``), as Lightning's.
         every_n_train_steps: check every this many optimizer steps (0: never).
         every_n_epochs: check after every this many epochs (0: never).
         train_time_interval: check when this much time (seconds or a
@@ -90,7 +91,7 @@ class ModelCheckpoint(Callback):
         monitor: str | None = None,
         mode: str = "min",
         save_top_k: int = 1,
-        save_last: bool = True,
+        save_last: bool | None = None,
         every_n_train_steps: int | None = None,
         every_n_epochs: int | None = None,
         train_time_interval: float | datetime.timedelta | None = None,
@@ -105,7 +106,7 @@ class ModelCheckpoint(Callback):
         _check_policy(save_top_k, monitor, steps, epochs, seconds)
         self.dirpath = os.fspath(dirpath) if dirpath is not None else None
         self.monitor, self.mode = monitor, mode
-        self.save_top_k, self.save_last = save_top_k, save_last
+        self.save_top_k, self.save_last = save_top_k, bool(save_last)
         self.every_n_train_steps, self.every_n_epochs = steps, epochs
         self.train_time_interval = seconds
         self.save_on_train_epoch_end = save_on_train_epoch_end
