@@ -648,6 +648,23 @@ def test_values_logged_in_on_test_epoch_end_reach_the_loggers_with_the_tests(tmp
     assert {"acc", "loss"} <= set(seen)  # the hook already saw the loader's values
 
 
+def test_a_name_built_from_the_trainers_stage_follows_each_call(compiles):
+    # A validation step compiled during fit is not reused by validate() when
+    # the names it logs depend on the call (Lightning's hooks run each time).
+    class ByStage(LitMLP):
+        def eval_step(self, variables, batch):
+            self.log(f"acc_{self.trainer.stage}", 1.0)
+
+    module = ByStage()
+    trainer = lightning_trainer(max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(module, loader(X, Y, 16), loader(VX, VY, 8))
+    assert "acc_fit" in trainer.callback_metrics
+    (result,) = trainer.validate(module, loader(VX, VY, 8))
+    assert set(result) == {"acc_validate"}
+    (result,) = trainer.validate(module, loader(VX, VY, 8))  # the same call: reused
+    assert compiles.matching("jl_eval_step") == 2
+
+
 def _batch_hook_logs(log, root, lightning):
     """What ``log(module_or_pl_module, batch_idx)`` in the training batch hooks
     sends to a CSVLogger and leaves in ``callback_metrics``: (step, name,

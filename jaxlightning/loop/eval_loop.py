@@ -232,7 +232,7 @@ class EvalLoop:
         with self.pipeline.eval_pass(loader, f"the {stage} dataloader", limit, epoch) as batches:
             variables = self._variables(module, batches.first, ckpt_path)
             eval_step, acc, options = self.programs.eval_step(
-                module, hook, batches.first, variables, dataloader_idx
+                module, hook, batches.first, variables, dataloader_idx, self.hooks.view.stage
             )
             ranked = [n for n, o in options.items() if o.metric is not None and o.metric.collects]
             kept = ranked + [step_key(n) for n, o in options.items() if o.on_step]

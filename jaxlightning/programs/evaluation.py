@@ -45,6 +45,7 @@ class EvalPrograms:
         self.program = program
         self.strategy = program.strategy
         self._fns: dict[Any, Any] = {}
+        self._calls: dict[Any, str | None] = {}  # the Trainer call each step was traced in
         # The last evaluation's step and the shapes it was called with.
         self._last: tuple[Any, tuple[Any, ...]] | None = None
 
@@ -87,16 +88,27 @@ class EvalPrograms:
         first: DeviceBatch,
         variables: Any,
         dataloader_idx: int | None = None,
+        call: str | None = None,
     ) -> tuple[Callable[..., Any], Metrics, Options]:
         """The compiled evaluation of ``hook``, its empty accumulator and the
         options of what it logs (compiled once per module, hook, shapes and,
         with several loaders, loader index). It takes ``(variables, acc,
         *batch_args(batch))``: a resident dataset's batch is gathered in its
-        dispatch (`multistep.resident_eval`)."""
+        dispatch (`multistep.resident_eval`).
+
+        A step compiled in another Trainer ``call`` (``"fit"``'s validation,
+        then ``"validate"``) is reused only if the hook, traced abstractly now,
+        logs the same names (one built from ``self.trainer.stage`` does not)."""
         example = shard_shapes(first.host.data, self.program.steps.shard_rows(first))
         shapes = (jax.tree.structure(example), tuple(jax.tree.leaves(example)))
         resident = isinstance(first, ResidentBatch)
         key = ("eval", hook, module, shapes, dataloader_idx, resident)
+        local = jax.eval_shape(self.strategy.unreplicate, variables)
+        if key in self._fns and self._calls.get(key) != call:
+            _, options = zero_eval_metrics(module, hook, local, example, dataloader_idx)
+            if options != self._fns[key][2]:  # names that depend on the call
+                del self._fns[key]
+            self._calls[key] = call
         if key not in self._fns:
             precision = self.program.options.precision
             compiled = self.strategy.compile(
@@ -106,9 +118,9 @@ class EvalPrograms:
             )
             if resident:
                 compiled = resident_eval(compiled, *self.strategy.batch_placement)  # type: ignore[misc]
-            local = jax.eval_shape(self.strategy.unreplicate, variables)
             zeros, options = zero_eval_metrics(module, hook, local, example, dataloader_idx)
             self._fns[key] = (compiled, self.strategy.replicate(zeros), options)
+            self._calls[key] = call
         step = self._fns[key]
         call = (variables, step[1], *batch_args(first))
         self._last = (step[0], jax.tree.map(_abstract, call))
@@ -128,6 +140,7 @@ class EvalPrograms:
     def forget(self) -> None:
         """A new fit's state: the cached evaluations compile again."""
         self._fns.clear()
+        self._calls.clear()
 
     def eval_cost(self) -> StepCost | None:
         """XLA's count of the last evaluation's step on one device (the compile
