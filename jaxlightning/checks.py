@@ -154,11 +154,20 @@ def lightning_signatures(module: Any, hooks: tuple[str, ...]) -> None:
             continue
         params = [p for p in inspect.signature(method).parameters if p != "self"]
         if params[:1] == ["batch"]:
+            name, written = type(module).__name__, f"{hook}({', '.join(params)})"
+            if hook == "training_step":  # Lightning's automatic step: our loss()
+                raise TypeError(
+                    f"{name}.{written} has PyTorch Lightning's signature. Lightning's "
+                    "training_step that returns the loss is loss(self, variables, batch, "
+                    "rngs) here: rename it, and apply the model to the flax variables it "
+                    "receives (self.net.apply(variables, x, rngs=rngs)); it is traced once "
+                    "(no batch_idx). training_step(self, optimizers, batch, rngs) is "
+                    "manual optimization (Lightning's automatic_optimization=False)"
+                )
             raise TypeError(
-                f"{type(module).__name__}.{hook}({', '.join(params)}) has PyTorch "
-                f"Lightning's signature; here it is {hook}({_TRACED_SIGNATURES[hook]}): it "
-                "receives the flax variables and one device's shard of the batch, and is "
-                "traced once (no batch_idx)"
+                f"{name}.{written} has PyTorch Lightning's signature; here it is "
+                f"{hook}({_TRACED_SIGNATURES[hook]}): it receives the flax variables and "
+                "one device's shard of the batch, and is traced once (no batch_idx)"
             )
 
 
