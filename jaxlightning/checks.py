@@ -261,6 +261,24 @@ def module_hooks(module: Any, *hooks: str) -> None:
     lightning_hooks(module)
 
 
+def evaluation_hook(module: Any, stage: str, hook: str) -> None:
+    """Refuses a `validate`/`test` (``stage``: ``"validation"``, ``"test"``) of a
+    module with neither the stage's step nor ``eval_step``, naming the stage's
+    step as Lightning does (``test()`` of a module with only
+    ``validation_step`` named ``eval_step``)."""
+    _jax_module(module)
+    if contract.overrides(module, hook):
+        return
+    step, call = {"validation": ("validation_step", "validate"), "test": ("test_step", "test")}[
+        stage
+    ]
+    raise NotImplementedError(
+        f"No `{step}()` method defined to run `Trainer.{call}`: {type(module).__name__} "
+        f"defines neither {step}(self, variables, batch) nor eval_step(self, variables, "
+        "batch), which serves validation and test alike"
+    )
+
+
 def _required_args(method: Any) -> list[str]:
     """The arguments after ``self`` that a call must pass."""
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)

@@ -372,6 +372,7 @@ class Trainer:
         call = "validate" if stage == "validation" else stage
         with self._stages.running(call, module, datamodule):
             dataloaders = as_eval_loaders(stage_loaders(stage, dataloaders, datamodule, module))
+            checks.evaluation_hook(module, stage, eval_hook(module, stage))
             checks.module_hooks(module, eval_hook(module, stage))
             self._loaded(ckpt_path)
             self._reporter.fix_run_dirs()  # on every process at once

@@ -36,6 +36,21 @@ def test_module_without_loss_is_named():
         quiet_trainer(max_steps=1).fit(NoLoss(), loader(*digits(16), 8))
 
 
+@pytest.mark.parametrize(("call", "step"), [("test", "test_step"), ("validate", "validation_step")])
+def test_an_evaluation_without_its_step_names_it_as_lightning(call, step):
+    # Lightning: "No `test_step()` method defined to run `Trainer.test`." (a
+    # module with only validation_step was told eval_step was missing; issue 61)
+    class OnlyOther(LitMLP):
+        eval_step = jl.JaxModule.eval_step
+
+    if call == "test":
+        OnlyOther.validation_step = LitMLP.eval_step
+    else:
+        OnlyOther.test_step = LitMLP.eval_step
+    with pytest.raises(NotImplementedError, match=rf"No `{step}\(\)` method defined"):
+        getattr(quiet_trainer(), call)(OnlyOther(), loader(*digits(16), 8))
+
+
 def test_module_without_super_init_is_named():
     class Forgetful(LitMLP):
         def __init__(self):
