@@ -321,31 +321,33 @@ class Trainer:
         self,
         module: JaxModule | None = None,
         dataloaders: Any = None,
-        *,
-        datamodule: Any = None,
         ckpt_path: Any = None,
+        verbose: bool = True,
+        datamodule: Any = None,
     ) -> list[dict[str, float]]:
         """Evaluates ``module`` (its ``validation_step``, else ``eval_step``);
         returns ``[{name: value}]`` (names as logged), one dict per loader.
+        Lightning's arguments, in its order.
 
         Uses the module's trained variables, or those of ``ckpt_path``
         (``"last"``, ``"best"`` or a checkpoint folder), which it then keeps.
         ``datamodule=`` takes the loaders from its ``val_dataloader()``.
+        ``verbose`` prints the results as a table (process 0), as Lightning.
         """
         call = self._call_args("validate", module, dataloaders, datamodule)
-        return self._run_eval_stage("validation", *call, ckpt_path)
+        return self._run_eval_stage("validation", *call, ckpt_path, verbose)
 
     def test(
         self,
         module: JaxModule | None = None,
         dataloaders: Any = None,
-        *,
-        datamodule: Any = None,
         ckpt_path: Any = None,
+        verbose: bool = True,
+        datamodule: Any = None,
     ) -> list[dict[str, float]]:
-        """Like `validate`, with ``test_step`` (else ``eval_step``) and ``test/`` names."""
+        """Like `validate`, with ``test_step`` (else ``eval_step``)."""
         call = self._call_args("test", module, dataloaders, datamodule)
-        return self._run_eval_stage("test", *call, ckpt_path)
+        return self._run_eval_stage("test", *call, ckpt_path, verbose)
 
     def _call_args(
         self, call: str, module: JaxModule | None, dataloaders: Any, datamodule: Any
@@ -367,7 +369,13 @@ class Trainer:
             self._stages.ckpt_path = self._resolve_ckpt_path(ckpt_path)
 
     def _run_eval_stage(
-        self, stage: str, module: JaxModule, dataloaders: Any, datamodule: Any, ckpt_path: Any
+        self,
+        stage: str,
+        module: JaxModule,
+        dataloaders: Any,
+        datamodule: Any,
+        ckpt_path: Any,
+        verbose: bool = True,
     ) -> list[dict[str, float]]:
         call = "validate" if stage == "validation" else stage
         with self._stages.running(call, module, datamodule):
@@ -376,7 +384,7 @@ class Trainer:
             checks.module_hooks(module, eval_hook(module, stage))
             self._loaded(ckpt_path)
             self._reporter.fix_run_dirs()  # on every process at once
-            return self._evaluation.run(stage, module, dataloaders, ckpt_path)
+            return self._evaluation.run(stage, module, dataloaders, ckpt_path, verbose)
 
     def predict(
         self,

@@ -98,6 +98,21 @@ def test_test_and_predict_with_best_checkpoint_without_the_module(tmp_path):
     np.testing.assert_allclose(out["logits"], logits, rtol=1e-4, atol=1e-4)
 
 
+def test_validate_and_test_take_lightnings_arguments_and_print_the_results(tmp_path, capsys):
+    # Lightning's validate(model, dataloaders, ckpt_path, verbose, datamodule): the
+    # order, and verbose=True (the default) printing the results table
+    ckpt = jl.ModelCheckpoint()
+    trainer = quiet_trainer(max_epochs=1, default_root_dir=tmp_path, callbacks=[ckpt])
+    trainer.fit(LitMLP(), loader(*digits(32), 16))
+    capsys.readouterr()
+    (results,) = trainer.validate(LitMLP(), loader(VX, VY, 8), "last")
+    out = capsys.readouterr().out
+    assert "Validate metric" in out and "DataLoader 0" in out
+    assert f"{results['val/acc']:.6g}" in out.split("val/acc")[1].splitlines()[0]
+    trainer.test(LitMLP(), loader(VX, VY, 8), "last", False)
+    assert capsys.readouterr().out == ""
+
+
 def test_evaluating_without_a_module_before_fit_is_a_clear_error():
     with pytest.raises(TypeError, match=r"trainer.validate\(\) needs the module"):
         quiet_trainer().validate(dataloaders=loader(VX, VY, 8))

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from jaxlightning import checks
+from jaxlightning.cluster import distributed
 from jaxlightning.data import Pipeline
 from jaxlightning.loop.hooks import Hooks
 from jaxlightning.metrics.logged import LogOptions
@@ -21,7 +22,7 @@ from jaxlightning.programs.compiled import batch_args
 from jaxlightning.programs.evaluation import EvalPrograms
 from jaxlightning.progress import Progress
 from jaxlightning.reporting.batch_logs import BatchLogs
-from jaxlightning.reporting.report import Report, report
+from jaxlightning.reporting.report import Report, report, results_table
 from jaxlightning.reporting.reporter import Reporter
 from jaxlightning.training import contract
 from jaxlightning.training.step import Metrics, step_key
@@ -92,11 +93,12 @@ class EvalLoop:
         self.resolve_checkpoint = resolve_checkpoint
 
     def run(
-        self, stage: str, module: JaxModule, dataloaders: Any, ckpt_path: Any
+        self, stage: str, module: JaxModule, dataloaders: Any, ckpt_path: Any, verbose: bool
     ) -> list[dict[str, float]]:
         """A `validate` or `test` call: the evaluation, then the loggers finalized
-        (quietly when the evaluation failed: its error is the one to see). With
-        no batches to run (``limit_val_batches=0``, say), nothing: ``[]``."""
+        (quietly when the evaluation failed: its error is the one to see), and
+        with ``verbose`` the results printed (process 0). With no batches to
+        run (``limit_val_batches=0``, say), nothing: ``[]``."""
         if not self.has_batches(stage, dataloaders):
             return []
         try:
@@ -105,6 +107,8 @@ class EvalLoop:
             self.reporter.finalize(quiet=True)
             raise
         self.reporter.finalize()
+        if verbose and distributed.is_rank_zero():
+            print(results_table(results, {"validation": "Validate", "test": "Test"}[stage]))
         return results
 
     def validation_loaders(self, module: JaxModule, val: Any) -> Any:

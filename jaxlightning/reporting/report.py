@@ -49,6 +49,24 @@ class Report:
         self.results.update(other.results)
 
 
+def results_table(results: list[dict[str, Any]], title: str) -> str:
+    """An evaluation's results as Lightning prints them: a column of metric
+    names (``"Test metric"``), one column of values per loader."""
+    names = sorted({name for values in results for name in values})
+    header = [f"{title} metric", *(f"DataLoader {i}" for i in range(len(results)))]
+    rows = [header] + [[name, *(_cell(values.get(name)) for values in results)] for name in names]
+    widths = [max(len(row[i]) for row in rows) + 4 for i in range(len(header))]
+    rule = "─" * sum(widths)
+    lines = ["".join(cell.center(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join([rule, lines[0], rule, *lines[1:], rule])
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    return f"{value:.6g}" if isinstance(value, float) else "(an array)"
+
+
 def report(
     prefix: str | None,
     options: Mapping[str, LogOptions],
