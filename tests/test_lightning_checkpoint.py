@@ -712,3 +712,16 @@ def test_the_checkpoint_resumed_from_is_never_deleted(tmp_path):
     assert trainer.ckpt_path == str(tmp_path / "2")
     assert set(ckpt.best_k_models) == {str(tmp_path / "4"), str(tmp_path / "6")}
     assert steps(tmp_path) == [2, 4, 6]  # 2 left the top 2 but is where it resumed from
+
+
+def test_a_monitor_nobody_logs_fails_once_a_validation_ran(tmp_path):
+    # ModelCheckpoint._validate_monitor_key: MisconfigurationException once the
+    # validation loop has run (here ValueError), a warning before that
+    checkpoint = jl.ModelCheckpoint(tmp_path / "a", monitor="nobody_logs_this")
+    trainer = lightning_trainer(max_epochs=1, callbacks=[checkpoint])
+    with pytest.raises(ValueError, match=r"could not find the monitored key.*HINT"):
+        trainer.fit(Logged(), data(2), data(1))
+    checkpoint = jl.ModelCheckpoint(tmp_path / "b", monitor="nobody_logs_this")
+    trainer = lightning_trainer(max_epochs=1, callbacks=[checkpoint])
+    with pytest.warns(UserWarning, match="could not find the monitored key"):
+        trainer.fit(Logged(), data(2))  # no validation: a warning

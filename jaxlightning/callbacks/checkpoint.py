@@ -128,6 +128,7 @@ class ModelCheckpoint(Callback):
         self._saved_any = False  # whether a checkpoint was written (save_last at the end)
         self._last_time_checked: float | None = None
         self._validated = False  # a validation ran in this fit (the sanity check's too)
+        self._val_ran = False  # a validation other than the sanity check's ran
         self._deferred: dict[str, float] | None = None  # epoch-end validation's values
         self._warned_missing = False
         self._pending_state: dict[str, Any] | None = None
@@ -158,7 +159,7 @@ class ModelCheckpoint(Callback):
             self._pending_state = None
         self._protect_newer(dirpath, trainer.global_step)
         self._open(trainer)
-        self._validated, self._deferred = False, None
+        self._validated, self._val_ran, self._deferred = False, False, None
 
     def on_train_start(self, trainer: TrainerView, module: JaxModule) -> None:
         self._last_time_checked = time.monotonic()
@@ -195,6 +196,7 @@ class ModelCheckpoint(Callback):
         if trainer.stage != "fit":
             return
         self._validated = True
+        self._val_ran = self._val_ran or not trainer.sanity_checking
         if trainer.sanity_checking or self._saves_on_train_epoch_end(trainer):
             return
         candidates = self._candidates(trainer)
@@ -294,13 +296,18 @@ class ModelCheckpoint(Callback):
             return None
         value = candidates.get(self.monitor)
         if value is None:
+            message = (
+                f"`ModelCheckpoint(monitor={self.monitor!r})` could not find the monitored "
+                f"key in the returned metrics: {sorted(candidates)} (step {step}). HINT: Did "
+                f"you call `self.log({self.monitor!r}, value)` in the module?"
+            )
+            if self._val_ran:  # Lightning's rule: an error once a validation has run
+                raise ValueError(message)
             if not self._warned_missing:
                 self._warned_missing = True
                 warnings.warn(
-                    f"ModelCheckpoint(monitor={self.monitor!r}): no such metric at step "
-                    f"{step} (have {sorted(candidates)}); the check ranks nothing (a "
-                    "checkpoint due as the last one is still saved). Did you call "
-                    f"self.log({self.monitor!r}, value) in the module?",
+                    f"{message} The check ranks nothing (a checkpoint due as the last one "
+                    "is still saved)",
                     stacklevel=4,
                 )
             return None
