@@ -111,6 +111,13 @@ def _check_loggable(
         raise ValueError(f"self.log({name!r}, ...){where}: {what}")
 
 
+def _from_torch(x: Any) -> Any:
+    """A torch tensor as a numpy array (an eager call's input); else ``x``."""
+    if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
+        return x.detach().cpu().numpy()
+    return x
+
+
 class AttributeDict(dict):
     """A dict whose keys are also attributes: ``hparams.lr == hparams["lr"]``."""
 
@@ -457,7 +464,44 @@ class JaxModule:
         variables = self._current_variables()
         if self._nnx is not None:
             variables = self._nnx.merge(variables, None, train=False)
+        args, kwargs = jax.tree.map(_from_torch, (args, kwargs))
         return self.forward(variables, *args, **kwargs)
+
+    # ------------------------------------------- torch.nn.Module's habits
+    training = True  # `train()`/`eval()` set it, as torch's; ``forward`` may read it
+
+    def train(self, mode: bool = True) -> JaxModule:
+        """Sets `training` (torch's ``module.train()``); returns the module."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> JaxModule:
+        """``train(False)`` (torch's ``module.eval()``); returns the module."""
+        return self.train(False)
+
+    def to(self, *args: Any, **kwargs: Any) -> JaxModule:
+        """Returns the module: the Trainer's strategy places every array (ported
+        ``.to(device)`` calls are harmless)."""
+        del args, kwargs
+        return self
+
+    def cpu(self) -> JaxModule:
+        """Returns the module (see `to`)."""
+        return self
+
+    def cuda(self, device: Any = None) -> JaxModule:
+        """Returns the module (see `to`)."""
+        del device
+        return self
+
+    @property
+    def device(self) -> jax.Device:
+        """The first device the module's Trainer runs on (without one, JAX's
+        first): where Lightning code reads ``self.device`` to make a tensor, a
+        jax array needs no device."""
+        trainer = self._trainer
+        devices = getattr(getattr(trainer, "strategy", None), "devices", None)
+        return devices[0] if devices else jax.devices()[0]
 
     def _current_variables(self) -> Any:
         trainer = self._trainer

@@ -52,6 +52,22 @@ def test_calling_the_module_uses_its_current_weights():
     )
 
 
+def test_torch_module_habits_of_ported_code_work():
+    """Lightning code calls the module with torch tensors, moves it with
+    ``.to(device)``/``.cpu()``, reads ``self.device`` and switches
+    ``.eval()``/``.train()`` (issue 61): each does what a port needs."""
+    import torch
+
+    module = WithForward()
+    module.variables = init_mlp()
+    assert module.to("cuda") is module and module.cpu() is module and module.cuda() is module
+    assert module.device == jax.devices()[0]
+    assert module.eval() is module and module.training is False
+    assert module.train().training is True
+    out = module(torch.from_numpy(VX))  # converted on the way in
+    np.testing.assert_allclose(np.asarray(out), np_logits(init_mlp()["params"], VX), rtol=1e-4)
+
+
 def test_calling_the_module_without_forward_or_weights_says_what_to_do():
     with pytest.raises(NotImplementedError, match="does not define"):
         LitMLP()(VX)
