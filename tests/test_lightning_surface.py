@@ -177,10 +177,15 @@ def test_loss_may_return_lightnings_loss_dict():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_model_summary_shows_sizes_of_example_input_array(capsys):
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_model_summary_shows_sizes_of_example_input_array(capsys, kind):
     # callbacks/test_model_summary.py: "In sizes" / "Out sizes" from example_input_array
+    # (a torch tensor, as Lightning code sets it, crashed the summary: issue 61)
+    import torch
+
     module = WithForward()
-    module.example_input_array = np.zeros((5, 64), np.float32)
+    example = np.zeros((5, 64), np.float32)
+    module.example_input_array = example if kind == "numpy" else torch.from_numpy(example)
     jl.Trainer(max_steps=1, logger=False, enable_progress_bar=False,
                enable_checkpointing=False).fit(module, loader(X, Y, 16))  # fmt: skip
     assert "In sizes: [5, 64] -- Out sizes: [5, 10]" in capsys.readouterr().out

@@ -14,6 +14,7 @@ from clu import parameter_overview
 from jaxlightning.callbacks.base import Callback
 from jaxlightning.cluster import distributed
 from jaxlightning.cluster.rank_zero import rank_zero_info
+from jaxlightning.data.convert import to_numpy
 from jaxlightning.schedule import parse_max_time
 from jaxlightning.training import contract
 from jaxlightning.training.nnx import is_nnx
@@ -80,7 +81,7 @@ def _in_out_sizes(trainer: TrainerView, module: JaxModule) -> str:
     example = getattr(module, "example_input_array", None)
     if example is None or not contract.overrides(module, "forward"):
         return ""
-    args = example if isinstance(example, tuple) else (example,)
+    args = to_numpy(example if isinstance(example, tuple) else (example,))  # torch's too
     if is_nnx(getattr(module, "model", None)):
         return ""  # forward takes the model: no shapes-only run of it here
     variables = jax.eval_shape(lambda state: state.variables, trainer.state)
