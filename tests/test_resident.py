@@ -210,3 +210,8 @@ def test_a_dict_of_arrays_is_one_batch_dict_and_bad_arrays_are_named():
         quiet_trainer(max_epochs=1).fit(DictMLP(), {"image": X, "label": Y[:10]})
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         jl.arrays((X, Y), batch_size=0)
+    # the two probes of issue 61 that got unrelated errors: named now
+    with pytest.raises(TypeError, match=r"a list is read as a list of batches.*make it a tuple"):
+        quiet_trainer(max_epochs=1).fit(LitMLP(), [X, Y])
+    with pytest.raises(ValueError, match=r"one leading size.*1: a scalar"):
+        quiet_trainer(max_epochs=1).fit(LitMLP(), (X, np.float32(3.0)))

@@ -23,16 +23,33 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, jax.Array, torch.Tensor))
 
 
+def _is_scalar(x: Any) -> bool:
+    return isinstance(x, (np.generic, int, float)) and not isinstance(x, bool)
+
+
 def is_arrays(data: Any) -> bool:
     """Whether ``data`` is an array, or a tuple or dict of arrays (not a list:
-    a list is a list of batches)."""
+    a list is a list of batches). A tuple or dict mixing arrays with scalars
+    counts too, so that `ArrayDataset` names the scalar."""
     if _is_array(data):
         return True
-    if isinstance(data, tuple) and data:
-        return all(_is_array(x) for x in data)
-    if isinstance(data, dict) and data:
-        return all(_is_array(x) for x in data.values())
-    return False
+    items = tuple(data) if isinstance(data, tuple) else None
+    if isinstance(data, dict):
+        items = tuple(data.values())
+    if not items or not any(_is_array(x) for x in items):
+        return False
+    return all(_is_array(x) or _is_scalar(x) for x in items)
+
+
+def _looks_like_arrays_in_a_list(data: Any) -> bool:
+    """Whether a list holds arrays of one leading size but unlike rows (``[x,
+    y]``): batches of one loader have alike rows, features and labels do not."""
+    if not isinstance(data, list) or len(data) < 2 or not all(_is_array(x) for x in data):
+        return False
+    shapes = [tuple(x.shape) for x in data]
+    if any(not s for s in shapes) or len({s[0] for s in shapes}) != 1:
+        return False
+    return len({(s[1:], str(x.dtype)) for s, x in zip(shapes, data, strict=True)}) > 1
 
 
 def _as_numpy(x: Any) -> np.ndarray:
@@ -60,7 +77,9 @@ class ArrayDataset(Dataset):
             for path, a in jax.tree_util.tree_flatten_with_path(self.arrays)[0]
         }
         if None in sizes.values() or len(set(sizes.values())) != 1:
-            got = ", ".join(f"{name}: {n}" for name, n in sizes.items())
+            got = ", ".join(
+                f"{name}: {'a scalar' if n is None else n}" for name, n in sizes.items()
+            )
             raise ValueError(
                 "arrays passed as data need one leading size (the number of examples, "
                 f"not a scalar); got leading sizes {got}"
@@ -89,6 +108,13 @@ def arrays(data: Any, *, batch_size: int = DEFAULT_BATCH_SIZE, shuffle: bool = F
 
 def as_loader(data: Any, *, shuffle: bool) -> Any:
     """``data`` as a loader: arrays become a DataLoader, anything else is kept."""
+    if _looks_like_arrays_in_a_list(data):
+        shapes = ", ".join(str(tuple(x.shape)) for x in data)
+        raise TypeError(
+            f"a list is read as a list of batches, and these {len(data)} arrays ({shapes}) "
+            "have one leading size but unlike rows: to pass arrays, make it a tuple, "
+            "fit(module, (x, y)), as in Keras"
+        )
     if data is None or not is_arrays(data):
         return data
     return arrays(data, shuffle=shuffle)
