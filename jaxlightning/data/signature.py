@@ -27,19 +27,33 @@ class RecompileError(ValueError):
     """A training batch would compile the train step again (``recompile="raise"``)."""
 
 
+def _on_device(dtype: Any) -> Any:
+    """The dtype a host array of ``dtype`` has on the device: JAX's canonical
+    one (float64 is float32 without ``jax_enable_x64``: the same program)."""
+    try:
+        return jax.dtypes.canonicalize_dtype(dtype)
+    except TypeError:  # not a numpy dtype
+        return dtype
+
+
 def signature(data: Any) -> Signature:
-    """Each leaf of a host batch as ``(path, shape, dtype)``."""
+    """Each leaf of a host batch as ``(path, shape, dtype)``, the dtype as it
+    is on the device."""
     return tuple(
-        (jax.tree_util.keystr(path), tuple(np.shape(leaf)), str(np.asarray(leaf).dtype))
+        (jax.tree_util.keystr(path), tuple(np.shape(leaf)), str(_on_device(np.asarray(leaf).dtype)))
         for path, leaf in jax.tree_util.tree_flatten_with_path(data)[0]
     )
 
 
 def _key(data: Any) -> tuple[Any, ...]:
-    """A batch's structure and each leaf's shape and dtype, cheap to build and
-    compare (no paths, no strings): `signature` is built only when it differs."""
+    """A batch's structure and each leaf's shape and device dtype, cheap to
+    build and compare (no paths, no strings): `signature` is built only when
+    it differs."""
     leaves, treedef = jax.tree_util.tree_flatten(data)
-    return (treedef, *((np.shape(leaf), getattr(leaf, "dtype", type(leaf))) for leaf in leaves))
+    return (
+        treedef,
+        *((np.shape(leaf), _on_device(getattr(leaf, "dtype", type(leaf)))) for leaf in leaves),
+    )
 
 
 def _difference(first: Signature, now: Signature) -> str:
