@@ -125,3 +125,6 @@ def test_a_sequence_longer_than_the_largest_bucket_is_named():
         collate([np.arange(3), np.arange(9)])
     with pytest.raises(ValueError, match="must share their length, got lengths \\[3, 4\\]"):
         collate([(np.arange(3), np.arange(4))])
+    # one size, not a list: named (it was a raw TypeError from set(); issue 61)
+    with pytest.raises(TypeError, match=r"BucketCollate\(sizes=64\): expected a list.*\[64\]"):
+        jl.BucketCollate(sizes=64)

@@ -11,7 +11,7 @@ bucketed length are expected, not warned about (`SignatureGuard`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -38,6 +38,11 @@ class BucketCollate:
     """
 
     def __init__(self, sizes: Sequence[int], pad_value: Any = 0) -> None:
+        if isinstance(sizes, int) or not isinstance(sizes, Iterable):
+            raise TypeError(
+                f"BucketCollate(sizes={sizes!r}): expected a list of lengths, such as "
+                f"sizes=[{sizes!r}] (one bucket) or [32, 64, 128]"
+            )
         sizes = tuple(sorted(set(sizes)))
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"BucketCollate(sizes={sizes!r}): expected positive ints")
