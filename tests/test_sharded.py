@@ -221,6 +221,12 @@ def test_fsdp_gathers_each_scanned_layer_where_it_runs():
     assert {s.data.shape for s in out.addressable_shards} == {(4, 32, 16)}
 
 
+def test_fsdp_gathered_names_a_policy_given_by_name():
+    # a string policy was accepted silently and failed deep in remat (issue 61)
+    with pytest.raises(TypeError, match=r"policy='nothing_saveable'.*not its name"):
+        jl.fsdp_gathered(nn.Dense, policy="nothing_saveable")
+
+
 def test_logical_partitioning_rules_and_clear_errors():
     rules = [("in", None), ("mlp", "model")]
     strategy = jl.ModelParallelStrategy(data=4, model=2, logical_rules=rules)

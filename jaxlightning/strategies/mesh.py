@@ -389,6 +389,12 @@ def fsdp_gathered(target: type[nn.Module], *, policy: Callable[..., bool] | None
         split_rngs={"params": True}, length=layers,
         metadata_params={nn.PARTITION_NAME: None})``
     """
+    if policy is not None and not callable(policy):
+        raise TypeError(
+            f"fsdp_gathered(policy={policy!r}): expected a jax.checkpoint_policies "
+            "member (a function), such as jax.checkpoint_policies.nothing_saveable, "
+            "not its name"
+        )
 
     def gather(variables: Any) -> Any:
         try:
