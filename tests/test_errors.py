@@ -51,6 +51,19 @@ def test_an_evaluation_without_its_step_names_it_as_lightning(call, step):
         getattr(quiet_trainer(), call)(OnlyOther(), loader(*digits(16), 8))
 
 
+def test_an_integer_parameter_is_named_before_jax_differentiates_it():
+    # JAX's grad error named no leaf (issue 61)
+    import jax.numpy as jnp
+
+    class IntLeaf(LitMLP):
+        def setup(self, rng, batch):
+            params = super().setup(rng, batch)["params"]
+            return {"params": {**params, "counter": jnp.zeros((), jnp.int32)}}
+
+    with pytest.raises(TypeError, match=r"variables\['params'\]\['counter'\] of dtype int32"):
+        quiet_trainer(max_steps=1).fit(IntLeaf(), loader(*digits(16), 8))
+
+
 def test_module_without_super_init_is_named():
     class Forgetful(LitMLP):
         def __init__(self):

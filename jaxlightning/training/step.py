@@ -322,6 +322,15 @@ def checked_setup(module: JaxModule, rng: jax.Array, example: Any) -> dict[str, 
                 f"{jax.tree_util.keystr(path)} of type {type(leaf).__name__}; every leaf "
                 "must be an array (keep other settings as module attributes)"
             )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(variables.get("params", {}))[0]:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            raise TypeError(
+                f"{where} returned variables['params']{jax.tree_util.keystr(path)} of dtype "
+                f"{jnp.result_type(leaf)}: parameters are differentiated, so they must be "
+                "floating point; keep an integer (a counter, a table of indices) in "
+                "another collection (variables['state'], mutable in loss) or as a module "
+                "attribute"
+            )
     return dict(variables)
 
 
