@@ -846,6 +846,12 @@ class JaxModule:
             with self._collect_logs("predict_step", jnp.ones((n,), bool)):
                 return self._call_eval("predict_step", variables, batch)
 
+        if not type(self)._overrides("predict_step"):
+            raise NotImplementedError(
+                f"{type(self).__name__}.export writes predict_step(self, variables, batch), "
+                "which it does not define: add it (e.g. `return {'logits': "
+                "self.net.apply(variables, batch[0])}`)"
+            )
         variables = self._current_variables()
         return export_predict(
             predict,

@@ -49,3 +49,19 @@ def test_export_errors_name_the_problem(tmp_path):
     (tmp_path / "junk").write_bytes(b"\x80")
     with pytest.raises(ValueError, match="not a file written by JaxModule.export"):
         jl.load_exported(tmp_path / "junk")
+    # the three probes of issue 61: msgpack's own error, reshape advice for a
+    # wrong feature width, and silence about a missing predict_step
+    (tmp_path / "text").write_bytes(b"12 not an export")
+    with pytest.raises(ValueError, match="not a file written by JaxModule.export"):
+        jl.load_exported(tmp_path / "text")
+    with pytest.raises(ValueError, match=r"fails on the example batch itself.*\(4, 32\)") as info:
+        module.export(tmp_path / "a.jlx", (np.zeros((4, 32), np.float32), np.zeros(4)))
+    assert "reshape" not in str(info.value)
+
+    class NoPredict(LitMLP):
+        predict_step = jl.JaxModule.predict_step
+
+    bare = NoPredict()
+    bare.variables = module.variables
+    with pytest.raises(NotImplementedError, match="predict_step.*which it does not define"):
+        bare.export(tmp_path / "b.jlx", (np.zeros((4, 64), np.float32),))

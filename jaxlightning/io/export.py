@@ -65,6 +65,7 @@ def export_predict(
     except Exception as exc:
         if not any_batch_size:
             raise
+        _fails_on_the_example(predict, var_specs, batch)
         raise ValueError(
             f"predict_step could not be exported for any batch size ({type(exc).__name__}: "
             f"{exc}). Code that needs the batch size as a number (a reshape to it, say) "
@@ -80,6 +81,21 @@ def export_predict(
     with open(path, "wb") as f:
         f.write(serialization.msgpack_serialize(payload))
     return path
+
+
+def _fails_on_the_example(predict: Callable[..., Any], var_specs: Any, batch: Any) -> None:
+    """Raises what ``predict`` does on the example batch's own shapes, if it
+    fails there too: then the batch does not fit the model (a wrong feature
+    width, say), whatever its number of rows."""
+    try:
+        jax.eval_shape(predict, var_specs, batch)
+    except Exception as exc:
+        shapes = jax.tree.map(lambda x: tuple(x.shape), batch)
+        raise ValueError(
+            f"predict_step fails on the example batch itself (shapes {shapes}), before "
+            f"any batch size is made symbolic: {type(exc).__name__}: {exc}. Pass a batch "
+            "as predict_step receives it"
+        ) from exc
 
 
 class ExportedPredict:
@@ -104,7 +120,11 @@ class ExportedPredict:
 def load_exported(path: str | os.PathLike[str]) -> Callable[[Any], Any]:
     """Reads a file `export_predict` wrote: an `ExportedPredict`."""
     with open(os.fspath(path), "rb") as f:
-        payload = serialization.msgpack_restore(f.read())
+        data = f.read()
+    try:
+        payload = serialization.msgpack_restore(data)
+    except Exception:  # not msgpack at all (msgpack's ExtraData, ValueError, ...)
+        payload = None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{path} is not a file written by JaxModule.export ({FORMAT})")
     exported = jax.export.deserialize(bytearray(payload["exported"].tobytes()))
