@@ -119,6 +119,21 @@ def step_options(
     )
 
 
+def val_check_fraction(interval: Any, epoch_batches: int | None, val: Any) -> None:
+    """Refuses a fractional ``val_check_interval`` (other than 1.0) with a
+    training loader of unknown length, Lightning's rule: a fraction of an
+    epoch needs its length."""
+    if val is None or epoch_batches is not None:
+        return
+    if isinstance(interval, float) and interval != 1.0:
+        raise ValueError(
+            "When using an IterableDataset for `train_dataloader`, "
+            f"`Trainer(val_check_interval)` must be `1.0` or an int (got {interval}): the "
+            "training loader has no length, so a fraction of its epoch is unknown. An int "
+            "k checks validation every k training batches"
+        )
+
+
 def reiterable(loader: Any, name: str, *, passes: str) -> None:
     """Refuses a one-shot iterator (a generator, say) where it is read ``passes``."""
     if isinstance(loader, Iterator):

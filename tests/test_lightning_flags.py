@@ -138,6 +138,15 @@ def test_val_check_interval_counts_batches_across_epochs(
     assert [batches for batches, _, _ in record.validations] == [3, 6, 9, 12]
 
 
+def test_a_fraction_of_an_epoch_of_unknown_length_is_refused():
+    # loops/fit_loop.py's setup_data (Lightning): "When using an IterableDataset
+    # for `train_dataloader`, `Trainer(val_check_interval)` must be `1.0` or an
+    # int" (it was accepted silently and validated at the epoch's end; issue 61)
+    trainer = quiet_trainer(max_steps=2, val_check_interval=0.5)
+    with pytest.raises(ValueError, match=r"must be `1.0` or an int \(got 0.5\)"):
+        trainer.fit(LitMLP(), DataLoader(Endless(8), batch_size=2), loader(VX, VY, 8))
+
+
 @pytest.mark.parametrize("interval", ["00:00:00:02", {"seconds": 2}, datetime.timedelta(seconds=2)])
 def test_val_check_interval_as_a_duration(interval, monkeypatch):
     # trainer/flags/test_val_check_interval.py::test_time_based_val_check_interval:

@@ -85,6 +85,7 @@ class FitRun:
         manual = checks.fit_module(module, self.program.options)
         val = self.evaluation.validation_loaders(module, val)
         data = FitData(self.pipeline, train)
+        checks.val_check_fraction(self.schedule.val_check_interval, data.per_epoch, val)
         self.epoch_batches = (data.per_epoch,)  # configure_optimizers may read it
         if self.default_epochs:
             warnings.warn(
