@@ -83,6 +83,7 @@ def main(argv=None) -> None:
     def make_trainer(root):
         return jl.Trainer(
             stage_prefix=True,  # train/acc and val/acc apart (TensorBoard tags checked)
+            log_loss=True,  # train/loss among them
             max_epochs=args.epochs,
             default_root_dir=root,
             log_every_n_steps=args.log_every,
@@ -158,6 +159,7 @@ def main(argv=None) -> None:
 
     trainer = jl.Trainer(
         stage_prefix=True,  # train/acc and val/acc apart (TensorBoard tags checked)
+        log_loss=True,  # train/loss among them
         max_epochs=args.epochs,
         default_root_dir=args.root,
         log_every_n_steps=args.log_every,

@@ -83,6 +83,7 @@ def main() -> None:
     checkpoint = jl.ModelCheckpoint(args.dirpath, every_n_train_steps=args.every_n_train_steps)
     trainer = jl.Trainer(
         stage_prefix=True,  # train/acc and val/acc apart (TensorBoard tags checked)
+        log_loss=True,  # train/loss among them
         max_steps=args.max_steps,
         devices=args.devices,
         default_root_dir=args.root,
