@@ -249,6 +249,18 @@ def test_log_loss_reports_what_loss_returns_as_train_loss():
     assert free.callback_metrics["train/loss"] == 1.0
 
 
+def test_a_checkpoint_resumes_whether_or_not_the_loss_is_reported(tmp_path):
+    """The step keeps its loss under one name either way (``log_loss`` changes
+    only what is reported), so a checkpoint of one setting resumes under the
+    other (a two-process job resumed by one process with another setting
+    failed: its accumulators did not match)."""
+    ckpt = jl.ModelCheckpoint(tmp_path, every_n_train_steps=2)
+    lightning_trainer(max_steps=2, callbacks=[ckpt]).fit(LitMLP(), loader(X, Y, 16))
+    resumed = lightning_trainer(max_steps=4, log_loss=True, log_every_n_steps=1)
+    resumed.fit(LitMLP(), loader(X, Y, 16), ckpt_path=str(tmp_path / "2"))
+    assert resumed.global_step == 4 and "train/loss" in resumed.callback_metrics
+
+
 # --------------------------------------------------------------- reductions
 def test_sum_of_a_scalar_counts_once_per_step():
     # trainer/logging_/test_train_loop_logging.py::test_logging_sync_dist_true (devices=1):

@@ -422,6 +422,7 @@ def test_tensor_parallel_gpt_over_two_processes_equals_one_process(tmp_path):
         "--trainer.strategy=jaxlightning.ModelParallelStrategy",
         "--trainer.strategy.model=2",
         "--trainer.max_steps=8",
+        "--trainer.val_check_interval=8",  # a validation, so the checkpoint check comes
         "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false",
         "--model.d_model=32",

@@ -132,7 +132,7 @@ class ModelCheckpoint(Callback):
         self._deferred: dict[str, float] | None = None  # epoch-end validation's values
         self._warned_missing = False
         self._pending_state: dict[str, Any] | None = None
-        self._resumed_from: str | None = None  # never deleted (Lightning's rule)
+        self._resumed_from: str | None = None  # never deleted (Lightning's rule, local)
 
     # ------------------------------------------------------------ locations
     def resolve_dirpath(self, trainer: TrainerView) -> str:
@@ -152,8 +152,9 @@ class ModelCheckpoint(Callback):
         if trainer.fast_dev_run:  # a smoke test: checks skip, nothing is opened or moved
             return
         dirpath = self.resolve_dirpath(trainer)
-        resumed = trainer.ckpt_path
-        self._resumed_from = storage.resolve(resumed) if resumed else None
+        resumed = trainer.ckpt_path  # kept on local disks only, as Lightning's rule
+        local = resumed is not None and not storage.is_remote(resumed)
+        self._resumed_from = storage.resolve(resumed) if local else None
         if self._pending_state is not None:
             self._adopt(self._pending_state)
             self._pending_state = None
@@ -530,7 +531,7 @@ class ModelCheckpoint(Callback):
     def _prune(self) -> None:
         """Deletes the complete checkpoints the policy no longer keeps (only ones
         this callback wrote: a shared folder may hold others; never the one the
-        fit resumed from, as Lightning's ``_should_remove_checkpoint``)."""
+        fit resumed from on a local disk, as Lightning's ``_should_remove_checkpoint``)."""
         keep = {r["step"] for r in self._top_k(self._records)}
         latest = self._records[-1] if self._records else None
         if latest is not None and (self.save_last or latest.get("resume_point")):

@@ -30,7 +30,7 @@ from jaxlightning.programs.compiled import CompiledSteps, batch_shapes, zeros_li
 from jaxlightning.programs.held_state import HeldState
 from jaxlightning.progress import Progress
 from jaxlightning.strategies import Strategy
-from jaxlightning.training.step import Options, StepOptions
+from jaxlightning.training.step import Options, StepOptions, kept_loss
 from jaxlightning.xla import memory
 from jaxlightning.xla.compiling import Precompiled, join_quietly
 from jaxlightning.xla.cost import StepCost, step_cost
@@ -173,7 +173,7 @@ class Program:
     def interval_loss(self, acc: Any) -> float | None:
         """The mean of what ``loss()`` returned over fetched ``acc``'s logging
         interval, reported or not (``None``: manual optimization, no row)."""
-        metric = acc.metrics.get(self.options.loss_name)
+        metric = acc.metrics.get(kept_loss(acc.metrics))
         return None if metric is None else host_value(metric)
 
     def _memory_limit(self) -> int | None:

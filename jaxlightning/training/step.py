@@ -95,12 +95,6 @@ class StepOptions:
     step_values: str = "last"
 
     @property
-    def loss_name(self) -> str:
-        """The name the step keeps its loss under: ``train/loss`` when it is
-        reported, else one no user name can take."""
-        return LOSS if self.log_loss else HIDDEN_LOSS
-
-    @property
     def skip_nonfinite(self) -> bool:
         """Whether a non-finite update is skipped: asked for, or part of
         float16's loss scaling (an overflow halves the scale)."""
@@ -142,6 +136,19 @@ SKIPPED_OPTIONS = LogOptions(on_step=True, on_epoch=False, reduce_fx="sum")
 LOSS_MAX = "train/loss_max"
 LOSS_MAX_OPTIONS = LogOptions(on_step=True, on_epoch=False, reduce_fx="max")
 TRAINER_NAMES = frozenset({LOSS, HIDDEN_LOSS, GRAD_NORM, SKIPPED, LOSS_MAX})
+
+
+def loss_key(user_names: Any) -> str:
+    """The name the step keeps what ``loss()`` returns under: ``train/loss``
+    (reported under ``log_loss``; the same name either way, so checkpoints
+    resume whatever the setting), or, when the module logs ``train/loss``
+    itself, a name no user takes."""
+    return HIDDEN_LOSS if LOSS in user_names else LOSS
+
+
+def kept_loss(metrics: Mapping[str, Any]) -> str:
+    """The name the step's loss is under in ``metrics`` (see `loss_key`)."""
+    return HIDDEN_LOSS if HIDDEN_LOSS in metrics else LOSS
 
 
 @flax.struct.dataclass
@@ -219,7 +226,8 @@ def _merge_train(
     epoch = _merge(acc.epoch, {name: new[name] for name in acc.epoch if name in new}, hook)
     metrics = _merge(acc.metrics, new, hook)
     if step_values == "last":
-        metrics.update({name: m for name, m in new.items() if name not in TRAINER_NAMES})
+        own = TRAINER_NAMES - ({LOSS} if HIDDEN_LOSS in new else set())  # train/loss: the user's
+        metrics.update({name: m for name, m in new.items() if name not in own})
     return TrainMetrics(metrics, epoch, first)
 
 
@@ -376,7 +384,10 @@ def _with_trainer_names(logged: Options, hook: str, options: StepOptions) -> Opt
     a user name that one of the Trainer's would overwrite is refused."""
     own: Options = {}
     if hook == "loss":
-        own[options.loss_name] = LOSS_OPTIONS if options.log_loss else HIDDEN_LOSS_OPTIONS
+        if options.log_loss and LOSS in logged:
+            own[LOSS] = LOSS_OPTIONS  # refused below: the module's would be overwritten
+        else:
+            own[loss_key(logged)] = LOSS_OPTIONS if options.log_loss else HIDDEN_LOSS_OPTIONS
         if options.log_grad_norm:
             own[GRAD_NORM] = GRAD_NORM_OPTIONS
         if options.on_nonfinite == "rollback":
@@ -503,7 +514,7 @@ def _build_gradients(
                 )
             total, count, updates = loss_terms(out, state.model_state, mask)
             metrics = _logged_metrics(logged, mask)
-            metrics[options.loss_name] = Average(total=total, count=count)
+            metrics[loss_key(metrics)] = Average(total=total, count=count)
             scaled = total if scale is None else total * scale
             return scaled, (metrics, updates)
 
@@ -527,17 +538,15 @@ def _build_apply(tx: Any, options: StepOptions) -> Callable[..., Any]:
     applied."""
 
     def jl_apply(state, acc, grads, updates, metrics):
-        n_real = metrics[options.loss_name].count
-        finite = jnp.isfinite(metrics[options.loss_name].total)
+        loss = metrics[kept_loss(metrics)]
+        n_real, finite = loss.count, jnp.isfinite(loss.total)
         if options.skip_nonfinite:
             finite = finite & all_finite(grads)
         if options.on_nonfinite == "rollback":  # this (micro-)batch's loss, for the spike rule
             seen = n_real > 0
-            loss = jnp.where(
-                seen, metrics[options.loss_name].total / jnp.maximum(n_real, 1), -jnp.inf
-            )
+            mean = jnp.where(seen, loss.total / jnp.maximum(n_real, 1), -jnp.inf)
             metrics[LOSS_MAX] = Extreme(
-                value=loss.astype(jnp.float32), count=seen.astype(jnp.int32), op="max"
+                value=mean.astype(jnp.float32), count=seen.astype(jnp.int32), op="max"
             )
         if options.accumulate_grad_batches > 1:
             return _accumulate_micro_batch(tx, options, state, acc, grads, updates, metrics, finite)
@@ -560,7 +569,7 @@ def _accumulate_micro_batch(
     once ``accumulate_grad_batches`` of them are in."""
     k = options.accumulate_grad_batches
     kept = state
-    state = state.accumulate(grads, metrics[options.loss_name].count).replace(
+    state = state.accumulate(grads, metrics[kept_loss(metrics)].count).replace(
         model_state={**state.model_state, **updates}
     )
     # a bad micro-batch is left out of the mean; under 16-mixed's loss
@@ -592,14 +601,15 @@ def _apply_update(
 ) -> tuple[TrainState, TrainMetrics]:
     """The optimizer update with the global batch's mean gradient; where it is
     not ``finite`` and `StepOptions.skip_nonfinite`, the state stays as it was."""
-    n_real = metrics[options.loss_name].count
+    loss = metrics[kept_loss(metrics)]
+    n_real = loss.count
     divisor = n_real if not options.loss_scaled else n_real * state.opt_state.scale
     grads = jax.tree.map(lambda g: g / divisor, grads)
     if options.log_grad_norm:  # the same on every device: counts once per step
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         metrics[GRAD_NORM] = Average(total=norm.astype(jnp.float32), count=jnp.ones((), jnp.int32))
     # the loss of the global batch, the same on every device
-    value = metrics[options.loss_name].total / n_real
+    value = loss.total / n_real
     new_state = state.apply_gradients(tx, grads, updates, value=value)
     if options.skip_nonfinite:
         new_state = keep_if(finite, new_state, state)

@@ -82,9 +82,12 @@ class Tuner:
             return None
         _check_search_args(method, margin, steps_per_trial, mode, init_val, max_trials)
         trainer = self.trainer
-        budget = max_bytes if max_bytes is not None else _device_limit(trainer.strategy.devices)
         if datamodule is None and is_datamodule(train_dataloaders):
             datamodule, train_dataloaders = train_dataloaders, None
+        if max_trials == 0:  # no trial: the first size, as Lightning's loop of no trials
+            _set_batch_size(model, datamodule, batch_arg_name, init_val)
+            return init_val
+        budget = max_bytes if max_bytes is not None else _device_limit(trainer.strategy.devices)
         # As fit does: the datamodule set up, the module's trainer set, the
         # epoch's batches known (configure_optimizers may size schedules by them).
         with trainer.train_cost_at(model, train_dataloaders, datamodule=datamodule) as cost:
@@ -224,8 +227,6 @@ def _search(
             )
         return cost.peak_bytes + resident <= budget
 
-    if max_trials == 0:  # no trial: the first size, as Lightning's loop of no trials
-        return init_val
     size, trials = init_val, 1
     if not fits(size):
         beside = (
