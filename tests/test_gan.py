@@ -170,3 +170,16 @@ def test_a_training_step_that_takes_no_step_is_named():
 
     with pytest.raises(ValueError, match=r"called no optimizers.step"):
         quiet_trainer(max_steps=1).fit(Idle(), gan_loader())
+
+
+def test_a_training_step_may_log_train_loss_as_its_own_step_value():
+    # manual optimization logs its losses itself; "train/loss" is the module's
+    # name there and reports the logging step's own value (Lightning's rule)
+    class Logs(LitGAN):
+        def training_step(self, opt, batch, rngs):
+            super().training_step(opt, batch, rngs)
+            self.log("train/loss", self.global_step * 1.0)
+
+    trainer = quiet_trainer(max_steps=4, log_every_n_steps=4, stage_prefix=False)
+    trainer.fit(Logs(), gan_loader())
+    assert trainer.callback_metrics["train/loss"] == 3.0  # step 4's (0-based 3), not the mean

@@ -226,7 +226,8 @@ def _merge_train(
     epoch = _merge(acc.epoch, {name: new[name] for name in acc.epoch if name in new}, hook)
     metrics = _merge(acc.metrics, new, hook)
     if step_values == "last":
-        own = TRAINER_NAMES - ({LOSS} if HIDDEN_LOSS in new else set())  # train/loss: the user's
+        users = HIDDEN_LOSS in new or hook == "training_step"  # train/loss is the module's
+        own = TRAINER_NAMES - ({LOSS} if users else set())
         metrics.update({name: m for name, m in new.items() if name not in own})
     return TrainMetrics(metrics, epoch, first)
 
