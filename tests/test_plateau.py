@@ -87,6 +87,33 @@ def test_the_scale_is_traced_and_equals_a_schedule_of_the_same_steps(compiles):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
+def test_the_learning_rate_monitor_shows_the_rate_a_plateau_lowered(tmp_path):
+    # Lightning's LearningRateMonitor reads the group's lr, which torch's
+    # ReduceLROnPlateau lowers; it logged the optimizer's base rate (issue 61)
+    class Injected(PlateauMLP):
+        def configure_optimizers(self):
+            config = super().configure_optimizers()
+            return {**config, "optimizer": optax.inject_hyperparams(optax.sgd)(learning_rate=0.05)}
+
+    class Scales(jl.Callback):  # the plateau's scale when each epoch starts
+        def __init__(self):
+            self.seen = []
+
+        def on_train_epoch_start(self, trainer, module):
+            stepper = next(c for c in trainer.callbacks if hasattr(c, "scheduler"))
+            self.seen.append(stepper.scheduler.scale)
+
+    x, y = digits(256)
+    monitor, scales = jl.LearningRateMonitor(logging_interval="epoch"), Scales()
+    trainer = quiet_trainer(
+        max_epochs=4, devices=2, callbacks=[monitor, scales], logger=jl.CSVLogger(str(tmp_path))
+    )
+    trainer.fit(Injected(init_variables=init_mlp()), loader(x, y, 32), loader(x, y, 128))
+    (rates,) = monitor.lrs.values()
+    assert min(scales.seen) < 1.0  # a plateau lowered it
+    assert rates == pytest.approx([0.05 * s for s in scales.seen])
+
+
 def test_a_resumed_run_keeps_the_scale_and_the_rules_counters(tmp_path):
     x, y = digits(256)
 

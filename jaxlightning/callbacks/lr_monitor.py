@@ -9,9 +9,11 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 from jaxlightning.callbacks.base import Callback
 from jaxlightning.training.optimizers import walk_closures
+from jaxlightning.training.scales import PlateauScaleState, RollbackScaleState
 
 if TYPE_CHECKING:
     from jaxlightning.callbacks.view import TrainerView
@@ -97,6 +99,19 @@ def _on_host(node: Any) -> Any:
     return jax.device_get(node)
 
 
+def update_scale(opt_state: Any) -> float:
+    """The factor the Trainer's own scales put on every update (a
+    `ReduceLROnPlateau`'s, a rollback's): the rates an update really uses are
+    the optimizer's times it, as torch's scheduler lowers the group's ``lr``."""
+    kinds = (PlateauScaleState, RollbackScaleState)
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
+    factor = 1.0
+    for node in nodes:
+        if isinstance(node, kinds):
+            factor *= float(np.asarray(jax.device_get(node.scale)).reshape(-1)[0])
+    return factor
+
+
 def _value(node: Any, name: str, schedules: Mapping[str, Any]) -> float | None:
     """Hyperparameter ``name`` of the next update of the injected state ``node``:
     its schedule at the state's count, or the value in the state (``None``: none)."""
@@ -128,7 +143,9 @@ class LearningRateMonitor(Callback):
 
     The rate is the one the next update uses: read from the optimizer state of
     ``optax.inject_hyperparams`` (a rate given as a schedule is that schedule at
-    the state's count), or, with ``schedule``, that schedule at ``global_step``
+    the state's count), times the scale a ``ReduceLROnPlateau`` (or a
+    rollback) has lowered every update by, as torch's scheduler lowers the
+    group's ``lr``; or, with ``schedule``, that schedule at ``global_step``
     on the host. Reading the state waits for the steps in flight, once per
     logging interval. Values go to ``trainer.callback_metrics``, to the
     loggers (at the number of updates made before the one they are for, as in
@@ -303,12 +320,14 @@ class LearningRateMonitor(Callback):
             self.lrs[site.key].append(rate)
             return {site.key: rate}
         states = injected_states(trainer.state.opt_state, self._groups)
+        scale = update_scale(trainer.state.opt_state)  # a plateau's lowering, say
         stats: dict[str, float] = {}
         for site, (_, node) in zip(self._sites, states, strict=True):
             if site not in sites:
                 continue
             node = _on_host(node)
-            stats[site.key] = rate = _value(node, "learning_rate", site.schedules) or 0.0
+            rate = (_value(node, "learning_rate", site.schedules) or 0.0) * scale
+            stats[site.key] = rate
             self.lrs[site.key].append(rate)
             if self.log_momentum:
                 momentum = _value(node, "b1", site.schedules)
