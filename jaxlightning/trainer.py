@@ -23,7 +23,7 @@ from jaxlightning.data.datamodule import fit_loaders, is_datamodule, stage_loade
 from jaxlightning.io.checkpoint import save_at
 from jaxlightning.io.checkpoint import weights_only as only_weights
 from jaxlightning.loggers import Logger
-from jaxlightning.loop.args import TrainerArgs
+from jaxlightning.loop.args import TrainerArgs, with_env_defaults
 from jaxlightning.loop.eval_loop import eval_hook
 from jaxlightning.loop.wiring import wire
 from jaxlightning.module import JaxModule
@@ -53,6 +53,7 @@ class Trainer:
     The arguments are `TrainerArgs`' fields (``trainer.args`` holds them).
     """
 
+    @with_env_defaults
     def __init__(
         self,
         *,

@@ -247,3 +247,17 @@ def test_val_check_interval_beyond_the_epoch_with_validation_off():
                             limit_val_batches=0)  # fmt: skip
     trainer.fit(LitMLP(), loader(X, Y, 8), loader(VX, VY, 8))
     assert trainer.global_step == 5
+
+
+def test_trainer_defaults_from_pl_trainer_environment_variables(monkeypatch):
+    # trainer/flags/test_env_vars.py::test_passing_env_variables_only and
+    # ::test_passing_env_variables_defaults (an argument passed wins)
+    monkeypatch.setenv("PL_TRAINER_LOGGER", "False")
+    monkeypatch.setenv("PL_TRAINER_MAX_STEPS", "7")
+    monkeypatch.setenv("PL_TRAINER_ACCELERATOR", "cpu")  # not a literal: the string
+    trainer = jl.Trainer(enable_progress_bar=False)
+    assert trainer.logger is None and trainer.max_steps == 7
+    assert trainer.args.accelerator == "cpu"
+    monkeypatch.setenv("PL_TRAINER_LOGGER", "True")
+    trainer = jl.Trainer(logger=False, max_steps=42)
+    assert trainer.logger is None and trainer.max_steps == 42

@@ -8,11 +8,13 @@ docstring carries.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import datetime
+import functools
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import jax
@@ -236,3 +238,30 @@ class TrainerArgs:
         """The ``Args:`` section of this class's docstring (indented as written)."""
         doc = cls.__doc__ or ""
         return doc[doc.index("    Args:") :].rstrip()
+
+
+def with_env_defaults(init: Callable[..., None]) -> Callable[..., None]:
+    """``Trainer.__init__`` taking Lightning's environment defaults: an argument
+    not passed is read from ``PL_TRAINER_<NAME>`` when that is set (a Python
+    literal, ``PL_TRAINER_MAX_EPOCHS=3``, else the string itself,
+    ``PL_TRAINER_ACCELERATOR=cpu``); an argument passed wins, as in Lightning."""
+
+    @functools.wraps(init)
+    def init_with_env_defaults(self: Any, **kwargs: Any) -> None:
+        init(self, **{**env_defaults(), **kwargs})
+
+    return init_with_env_defaults
+
+
+def env_defaults() -> dict[str, Any]:
+    """The ``PL_TRAINER_<NAME>`` values set for `TrainerArgs`' fields."""
+    found = {}
+    for field in dataclasses.fields(TrainerArgs):
+        text = os.environ.get(f"PL_TRAINER_{field.name.upper()}")
+        if text is None:
+            continue
+        try:
+            found[field.name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            found[field.name] = text
+    return found
