@@ -365,9 +365,12 @@ class Trainer:
             )
         return module if module is not None else self._lightning_module, dataloaders, datamodule
 
-    def _loaded(self, ckpt_path: Any) -> None:
-        if ckpt_path is not None:  # (resolved again where it is read: the same folder)
+    def _loaded(self, ckpt_path: Any) -> str | None:
+        """The folder ``ckpt_path`` names (``"last"``, ``"best"``: resolved once,
+        here), recorded as ``trainer.ckpt_path``."""
+        if ckpt_path is not None:
             self._stages.ckpt_path = self._resolve_ckpt_path(ckpt_path)
+        return self._stages.ckpt_path
 
     def _run_eval_stage(
         self,
@@ -383,7 +386,7 @@ class Trainer:
             dataloaders = as_eval_loaders(stage_loaders(stage, dataloaders, datamodule, module))
             checks.evaluation_hook(module, stage, eval_hook(module, stage))
             checks.module_hooks(module, eval_hook(module, stage))
-            self._loaded(ckpt_path)
+            ckpt_path = self._loaded(ckpt_path)
             self._reporter.fix_run_dirs()  # on every process at once
             return self._evaluation.run(stage, module, dataloaders, ckpt_path, verbose)
 
@@ -418,7 +421,7 @@ class Trainer:
             loaders = stage_loaders("predict", dataloaders, datamodule, module)
             dataloaders = as_eval_loaders(loaders)
             checks.module_hooks(module, "predict_step")
-            self._loaded(ckpt_path)
+            ckpt_path = self._loaded(ckpt_path)
             out = self._evaluation.predict(module, dataloaders, ckpt_path, concatenate)
         return None if return_predictions is False else out
 

@@ -602,19 +602,17 @@ class _Folder:
 
     _open: ClassVar[dict[str, _Folder]] = {}
 
-    def __init__(self, key: str, writer: CheckpointWriter) -> None:
-        self.key, self.writer = key, writer
+    def __init__(self, key: str, writer: CheckpointWriter, weights_only: bool) -> None:
+        self.key, self.writer, self.weights_only = key, writer, weights_only
         self.users: set[int] = set()
         self.keepers: dict[int, set[int]] = {}  # step -> the callbacks keeping it
-        self.weights_only = False
 
     @classmethod
     def join(cls, dirpath: str, user: ModelCheckpoint) -> _Folder:
         folder = cls._open.get(dirpath)
         if folder is None:
             writer = CheckpointWriter(dirpath, async_save=user.async_save)
-            folder = cls._open[dirpath] = cls(dirpath, writer)
-            folder.weights_only = user.save_weights_only
+            folder = cls._open[dirpath] = cls(dirpath, writer, user.save_weights_only)
         elif folder.weights_only != user.save_weights_only:
             raise ValueError(
                 f"two ModelCheckpoints save into {dirpath}, one with save_weights_only=True "

@@ -21,7 +21,6 @@ from jaxlightning.module import JaxModule
 from jaxlightning.programs.compiled import batch_args
 from jaxlightning.programs.evaluation import EvalPrograms
 from jaxlightning.progress import Progress
-from jaxlightning.reporting.batch_logs import BatchLogs
 from jaxlightning.reporting.report import Report, report, results_table
 from jaxlightning.reporting.reporter import Reporter
 from jaxlightning.training import contract
@@ -230,7 +229,7 @@ class EvalLoop:
         hooks logged on the host."""
         hook = eval_hook(module, stage)
         suffix = "" if dataloader_idx is None else f"/dataloader_idx_{dataloader_idx}"
-        logs = self.reporter.eval_batch_logs = BatchLogs(evaluation=True, suffix=suffix)
+        logs = self.reporter.eval_loader_logs(suffix)
         hook_steps = []
         epoch = self.progress.current_epoch
         with self.pipeline.eval_pass(loader, f"the {stage} dataloader", limit, epoch) as batches:

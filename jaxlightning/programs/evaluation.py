@@ -9,6 +9,7 @@ in: EMA), or the module's own. The train program (`Program`) knows none of it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -103,9 +104,9 @@ class EvalPrograms:
         shapes = (jax.tree.structure(example), tuple(jax.tree.leaves(example)))
         resident = isinstance(first, ResidentBatch)
         key = ("eval", hook, module, shapes, dataloader_idx, resident)
-        local = jax.eval_shape(self.strategy.unreplicate, variables)
+        local = functools.partial(jax.eval_shape, self.strategy.unreplicate, variables)
         if key in self._fns and self._calls.get(key) != call:
-            _, options = zero_eval_metrics(module, hook, local, example, dataloader_idx)
+            _, options = zero_eval_metrics(module, hook, local(), example, dataloader_idx)
             if options != self._fns[key][2]:  # names that depend on the call
                 del self._fns[key]
             self._calls[key] = call
@@ -118,7 +119,7 @@ class EvalPrograms:
             )
             if resident:
                 compiled = resident_eval(compiled, *self.strategy.batch_placement)  # type: ignore[misc]
-            zeros, options = zero_eval_metrics(module, hook, local, example, dataloader_idx)
+            zeros, options = zero_eval_metrics(module, hook, local(), example, dataloader_idx)
             self._fns[key] = (compiled, self.strategy.replicate(zeros), options)
             self._calls[key] = call
         step = self._fns[key]

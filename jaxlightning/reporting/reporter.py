@@ -109,6 +109,12 @@ class Reporter:
         if held:
             self._write(held)
 
+    def eval_loader_logs(self, suffix: str) -> BatchLogs:
+        """What the evaluation batch hooks log from now on, for one loader
+        (``suffix``: its ``/dataloader_idx_N``, or ``""``)."""
+        self.eval_batch_logs = BatchLogs(evaluation=True, suffix=suffix)
+        return self.eval_batch_logs
+
     def log_batches(self, reports: list[Report], loader: int = 0) -> None:
         """An evaluation's per-batch values (``on_step=True``) of loader number
         ``loader`` to the loggers, as Lightning logs them: at the count of that
