@@ -5,6 +5,7 @@ from jaxlightning import cli as cli
 from jaxlightning import loggers as loggers
 from jaxlightning import metrics as metrics
 from jaxlightning import strategies as strategies
+from jaxlightning.adapters.lora import LoRA as LoRA
 from jaxlightning.callbacks import Callback as Callback
 from jaxlightning.callbacks import EarlyStopping as EarlyStopping
 from jaxlightning.callbacks import LearningRateMonitor as LearningRateMonitor
@@ -22,6 +23,11 @@ from jaxlightning.data.buckets import BucketCollate as BucketCollate
 from jaxlightning.data.signature import RecompileError as RecompileError
 from jaxlightning.io.checkpoint import CheckpointError as CheckpointError
 from jaxlightning.io.export import load_exported as load_exported
+from jaxlightning.io.weights import WeightsMismatchError as WeightsMismatchError
+from jaxlightning.io.weights import WeightsReport as WeightsReport
+from jaxlightning.io.weights import check_weights as check_weights
+from jaxlightning.io.weights import load_weights as load_weights
+from jaxlightning.io.weights import save_weights as save_weights
 from jaxlightning.loggers import CSVLogger as CSVLogger
 from jaxlightning.loggers import Logger as Logger
 from jaxlightning.loggers import TensorBoardLogger as TensorBoardLogger

@@ -181,6 +181,7 @@ class JaxModule:
     """
 
     rng_streams: tuple[str, ...] = ("dropout",)
+    lora: Any = None  # a `jl.LoRA`: train low-rank adapters, the rest frozen
 
     def __init__(self) -> None:
         self.hparams = AttributeDict()
@@ -347,6 +348,19 @@ class JaxModule:
             "`return self.net.init(rng, batch['x'])`"
         )
 
+    def pretrained(self, into: Any) -> dict[str, Any]:
+        """Optional: the variables to start from instead of ``setup``'s initial
+        values, read on the host once before the train state is built
+        (typically ``return jl.load_weights(path, into, rename=RULES)``).
+
+        Args:
+            into: the variables ``setup`` would return, as abstract arrays
+                (``jax.ShapeDtypeStruct``), each with the sharding the strategy
+                gives it where it shards them: `jl.load_weights` then reads
+                only each device's block.
+        """
+        raise NotImplementedError
+
     def teardown(self, stage: str) -> None:
         """After every Trainer call (``"fit"``, ``"validate"``, ``"test"``,
         ``"predict"``), also a failing one (Lightning's hook)."""
@@ -462,6 +476,8 @@ class JaxModule:
                 f"forward(self, variables, x) (Lightning's forward(self, x) has no variables)"
             )
         variables = self._current_variables()
+        if self.lora is not None:
+            variables = self.lora.merged(variables)
         if self._nnx is not None:
             variables = self._nnx.merge(variables, None, train=False)
         args, kwargs = jax.tree.map(_from_torch, (args, kwargs))
@@ -529,6 +545,8 @@ class JaxModule:
     def _call_loss(self, variables: Any, batch: Any, rngs: dict[str, jax.Array]) -> Any:
         """`loss` with what it takes: flax variables and ``rngs``, or the merged
         NNX model (its mutated variables come back as updates)."""
+        if self.lora is not None:
+            variables = self.lora.apply(variables)
         if self._nnx is None:
             with self._explaining_traced_counters("loss"):
                 return self.loss(variables, batch, rngs)
@@ -548,6 +566,8 @@ class JaxModule:
         """An evaluation hook (or ``predict_step``) with the variables or the model;
         with several loaders, ``dataloader_idx`` (a Python int: each loader is its
         own compiled program) for a hook that takes it, as Lightning passes it."""
+        if self.lora is not None:
+            variables = self.lora.apply(variables)
         if self._nnx is not None:
             variables = self._nnx.merge(variables, None, train=False)
         fn = getattr(self, hook)

@@ -288,7 +288,7 @@ def test_the_trainer_takes_exactly_its_trainer_args():
 # The package from the bottom up: a module imports only from its own layer or
 # below. Names are top-level modules and folders of the package.
 LAYERS = [
-    {"cluster", "seed", "progress", "schedule", "metrics"},
+    {"cluster", "seed", "progress", "schedule", "metrics", "adapters"},
     {"xla", "io"},
     {"module"},
     {"training"},

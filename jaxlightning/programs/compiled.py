@@ -10,6 +10,7 @@ since they run once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -98,6 +99,7 @@ class CompiledSteps:
     ) -> Any:
         """The module's variables (its own, else initialised) as one program;
         with ``abstract`` only their shapes."""
+        self._start_from_pretrained(module, first)
         if abstract:
             args = (self.seed, module.variables, self._example(first))
             return jax.eval_shape(self._init_function(module, None, boxed=False), *args)
@@ -106,8 +108,30 @@ class CompiledSteps:
 
     def variables_layout(self, module: JaxModule, first: DeviceBatch) -> Callable[[], Any]:
         """The annotated shapes of ``module``'s variables, on demand."""
+        self._start_from_pretrained(module, first)
         args = (self.seed, module.variables, self._example(first))
         return lambda: jax.eval_shape(self._init_function(module, None, boxed=True), *args)
+
+    def _start_from_pretrained(self, module: JaxModule, first: DeviceBatch) -> None:
+        """Sets ``module.variables`` from its ``pretrained`` hook (once: not
+        where it has variables), given the tree ``setup`` would build with the
+        strategy's layout, so that each process reads only its devices' blocks."""
+        if module.variables is not None or not contract.overrides(module, "pretrained"):
+            return
+        args = (self.seed, None, self._example(first))
+        annotated = functools.partial(
+            jax.eval_shape, self._init_function(module, None, boxed=True, adapt=False), *args
+        )
+        abstract = nn.meta.unbox(annotated())
+        shardings = self.strategy.plan_variables(annotated)
+        if shardings is not None:
+            abstract = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                abstract,
+                shardings,
+            )
+        with contract.in_hook(module, "pretrained"):
+            module.variables = module.pretrained(abstract)
 
     def _compile_once(self, lowered: Any) -> Any:
         # Runs once: compiling it quickly matters more than running it quickly.
@@ -120,10 +144,16 @@ class CompiledSteps:
         return jax.tree.map(lambda x: x[:rows], first.host.data)
 
     def _init_function(
-        self, module: JaxModule, tx: optax.GradientTransformation | None, *, boxed: bool
+        self,
+        module: JaxModule,
+        tx: optax.GradientTransformation | None,
+        *,
+        boxed: bool,
+        adapt: bool = True,
     ) -> Callable[..., Any]:
         """``(seed, variables, example) -> state`` (without ``tx``, just the
-        variables); with ``boxed``, flax partitioning annotations kept."""
+        variables); with ``boxed``, flax partitioning annotations kept; with
+        ``adapt``, the module's LoRA adapters added."""
         contract.prepare_nnx(module)
         precision, accumulate = self.options.precision, self.options.accumulate_grad_batches
 
@@ -132,6 +162,8 @@ class CompiledSteps:
             if variables is None:
                 variables = checked_setup(module, init_rng, example)
             variables = for_storage(variables, precision)
+            if module.lora is not None and adapt:
+                variables = module.lora.adapt(variables, jax.random.fold_in(init_rng, 1))
             if tx is None:
                 out = variables
             else:
@@ -148,6 +180,7 @@ class CompiledSteps:
         """The jitted initialisation and its arguments. A strategy that lays out
         the state (`Strategy.plan`) gets its annotated shapes first, and the
         program builds it with that layout."""
+        self._start_from_pretrained(module, first)
         args = (self.seed, module.variables, self._example(first))
 
         def annotated() -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxlightning.adapters.lora import adapters_only
 from jaxlightning.progress import Progress
 from jaxlightning.strategies import Strategy
 from jaxlightning.training.losses import NonFiniteLossError
@@ -42,6 +43,7 @@ class HeldState:
         self._acc0: TrainMetrics | None = None
         self._in_flight: deque[Any] = deque()
         self.mapped = 0  # how many times a whole-state edit replaced the state
+        self.adapters_only = False  # checkpoints keep only LoRA adapters of params
 
     def hold(self, state: TrainState, acc: TrainMetrics, acc0: TrainMetrics) -> None:
         """Places a fit's first (or restored) state and accumulators."""
@@ -107,7 +109,10 @@ class HeldState:
             )
         self.drain()
         acc = self.fetch_metrics()
-        return {"state": self.strategy.checkpoint_arrays(self.live_state()), "acc": acc}
+        state = self.live_state()
+        if self.adapters_only:  # the frozen weights come from the module's `pretrained`
+            state = state.replace(params=adapters_only(state.params))
+        return {"state": self.strategy.checkpoint_arrays(state), "acc": acc}
 
     # ------------------------------------------------------------- stepping
     def advance(self, step: Callable[..., tuple[TrainState, TrainMetrics]], *args: Any) -> None:

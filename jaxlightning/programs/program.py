@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxlightning.adapters.lora import adapters_only, with_base
 from jaxlightning.data import DeviceBatch
 from jaxlightning.data.resident import ResidentBatch
 from jaxlightning.io.checkpoint import restore
@@ -118,11 +119,16 @@ class Program:
         state, acc0 = self._pending[1].result(), self._acc0
         self._pending = self._acc0 = None
         acc = acc0
+        lora = module.lora is not None
         if resume is not None:
-            restored = restore(resume, {"state": state, "acc": acc0})
-            state, acc = restored["state"], restored["acc"]
+            saved = state.replace(params=adapters_only(state.params)) if lora else state
+            restored = restore(resume, {"state": saved, "acc": acc0})
+            built, state, acc = state, restored["state"], restored["acc"]
+            if lora:  # the frozen weights as the module's `pretrained` gave them
+                state = state.replace(params=with_base(built.params, state.params))
         self.progress.micro = int(getattr(state, "micro", 0))  # since the last update
         self.held.hold(state, acc, acc0)
+        self.held.adapters_only = lora
         self.fit_module = module
 
     def check_memory(

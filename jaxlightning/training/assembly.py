@@ -34,6 +34,13 @@ def optimizer(module: Any, *, manual: bool = False) -> tuple[Any, Any]:
         config = module.configure_optimizers()
     config, plateau = lightning_config(config, manual)
     tx = _optimizer(config, manual)
+    if module.lora is not None:
+        if manual:
+            raise ValueError(
+                f"{type(module).__name__} has LoRA adapters and trains by manual optimization; "
+                "adapters are trained through loss(): define loss() instead of training_step"
+            )
+        tx = module.lora.frozen_base(tx)
     if plateau is not None:
         tx = optax.chain(tx, scale_updates(PlateauScaleState))
     return tx, plateau
