@@ -150,15 +150,20 @@ def target_to_sources(
         compiled.append((source, _template(path_part), index_part, layout))
 
     def inverse(path: str, shape: tuple[int, ...]) -> Iterator[tuple[str, Placement]]:
+        # The first rule that writes the whole leaf; else every rule writing a
+        # part of it (a fused array is written back as its pieces).
+        parts = False
         for source, pattern, index_part, layout in compiled:
             found = pattern.fullmatch(path)
-            if not found:
+            if not found or (parts and index_part is None):
                 continue
             for fields in _index_fields(index_part, found.groupdict(), shape):
                 index = index_part.format(**fields) if index_part is not None else None
                 target = path if index is None else f"{path}[{index}]"
                 yield source.format(**fields), placement(target, layout)
-            return
+            if index_part is None:
+                return
+            parts = True
 
     return inverse
 

@@ -297,20 +297,18 @@ def load_weights(
     """
     opened = open_source(source, allow_pickle=allow_pickle)
     leaves, report, treedef = plan(opened, into, rename)
-    if not report.ok:
-        if strict:
-            raise WeightsMismatchError(report)
-        rank_zero_warn(str(report))
     kept = jax.tree.leaves(nn.meta.unbox(into))
-    abstract = [
+    unfilled = [
         leaf.path
         for leaf, k in zip(leaves, kept, strict=True)
         if isinstance(k, jax.ShapeDtypeStruct) and leaf.path not in report.loaded
     ]
-    if abstract:
-        raise WeightsMismatchError(
-            dataclasses.replace(report, missing=sorted(set(report.missing) | set(abstract)))
-        )
+    if strict and not report.ok or unfilled:
+        # an abstract leaf has no value to keep: missing even when not strict
+        missing = sorted(set(report.missing) | set(unfilled))
+        raise WeightsMismatchError(dataclasses.replace(report, missing=missing))
+    if not report.ok:
+        rank_zero_warn(str(report))
     loaded = set(report.loaded)
     built = [_build(leaf, opened, k, loaded) for leaf, k in zip(leaves, kept, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, built)
