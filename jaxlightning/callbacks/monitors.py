@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from clu import parameter_overview
 
+from jaxlightning.adapters.lora import adapters_only
 from jaxlightning.callbacks.base import Callback
 from jaxlightning.cluster import distributed
 from jaxlightning.cluster.rank_zero import rank_zero_info
@@ -50,6 +51,7 @@ class ModelSummary(Callback):
         self.summary = parameter_overview.get_parameter_overview(
             flat_shapes(shapes), include_stats=False, max_lines=self.max_lines
         )
+        self.summary += _trainable(module, shapes)
         self.summary += _in_out_sizes(trainer, module) + _data_path(trainer)
         print(self.summary, flush=True)
 
@@ -68,6 +70,18 @@ class ModelSummary(Callback):
         for line in lines:
             self.summary += "\n" + line
             print(line, flush=True)
+
+
+def _trainable(module: JaxModule, params: Any) -> str:
+    """Lightning's trainable / non-trainable counts, where LoRA freezes the base."""
+    if module.lora is None:
+        return ""
+    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    adapters = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(adapters_only(params)))
+    return (
+        f"\nTrainable params: {adapters:,} (LoRA adapters, {adapters / total:.2%}); "
+        f"non-trainable params: {total - adapters:,} (frozen)"
+    )
 
 
 def _shapes_text(tree: Any) -> str:

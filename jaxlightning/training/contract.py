@@ -60,8 +60,9 @@ def prepare_nnx(module: JaxModule) -> None:
 def hand_back(module: JaxModule, variables: Any) -> None:
     """Gives ``module`` trained ``variables`` (and its NNX model their arrays)."""
     module.variables = variables
-    if module._nnx is not None:
-        module._nnx.update(module.model, variables)
+    if module._nnx is not None:  # the model object gets its adapters merged in
+        merged = variables if module.lora is None else module.lora.merged(variables)
+        module._nnx.update(module.model, merged)
 
 
 # --------------------------------------------------------------- traced hooks
