@@ -210,3 +210,48 @@ def test_the_pretrained_hook_fills_the_shards_the_strategy_gives(tmp_path):
     logits = MLP().apply({"params": params}, jnp.asarray(x))
     expected = float(optax.softmax_cross_entropy_with_integer_labels(logits, y).mean())
     assert result["val/loss"] == pytest.approx(expected, rel=1e-5)
+
+
+class PretrainedMLP(jl.JaxModule):
+    """Pretrained weights from a file, LoRA on top; its hyperparameters rebuild it."""
+
+    def __init__(self, path: str, lr: float = 1e-2):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = MLP()
+        self.lora = jl.LoRA(rank=2, targets=TARGETS)
+
+    def setup(self, rng, batch):
+        return self.net.init(rng, batch[0])
+
+    def pretrained(self, into):
+        return jl.load_weights(self.hparams.path, into)
+
+    def configure_optimizers(self):
+        return optax.adam(self.hparams.lr)
+
+    def loss(self, variables, batch, rngs):
+        logits = self.net.apply(variables, batch[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1])
+
+    def eval_step(self, variables, batch):
+        logits = self.net.apply(variables, batch[0])
+        self.log("loss", optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]))
+
+
+def test_an_adapter_checkpoint_loads_beside_the_pretrained_weights(tmp_path, capsys):
+    jl.save_weights(init_mlp(seed=5), tmp_path / "base.safetensors")
+    every = jl.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3)
+    trainer = quiet_trainer(max_steps=3, callbacks=[every], enable_model_summary=True)
+    module = PretrainedMLP(str(tmp_path / "base.safetensors"))
+    trainer.fit(module, digits_loader())
+    out = capsys.readouterr().out
+    assert "Trainable params: 320 (LoRA adapters" in out
+    (trained,) = trainer.validate(module, digits_loader())
+    restored = PretrainedMLP.load_from_checkpoint(every.best_model_path)
+    assert (
+        adapters_only(restored.variables["params"])
+        and "kernel" not in restored.variables["params"]["Dense_0"]
+    )  # the checkpoint holds the adapters alone
+    (again,) = quiet_trainer().validate(restored, digits_loader())
+    assert again == trained

@@ -169,10 +169,12 @@ def with_base(params: Mapping[str, Any], adapters: Mapping[str, Any]) -> dict[st
     return out
 
 
-def has_adapters(params: Any) -> bool:
-    return isinstance(params, Mapping) and any(
-        _is_adapter(p.rsplit("/", 1)[-1]) for p, _ in _leaves(params)
-    )
+def adapters_alone(variables: Any) -> bool:
+    """Whether ``variables`` hold LoRA adapters and no other parameter (what an
+    adapter checkpoint restores): the frozen weights must come from elsewhere."""
+    params = variables.get("params") if isinstance(variables, Mapping) else None
+    found = _leaves(params) if isinstance(params, Mapping) else []
+    return bool(found) and all(_is_adapter(path.rsplit("/", 1)[-1]) for path, _ in found)
 
 
 def _leaves(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

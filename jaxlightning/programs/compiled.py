@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxlightning.adapters.lora import adapters_alone, with_base
 from jaxlightning.data import DeviceBatch
 from jaxlightning.data.convert import Rows
 from jaxlightning.data.resident import ResidentBatch
@@ -114,9 +115,13 @@ class CompiledSteps:
 
     def _start_from_pretrained(self, module: JaxModule, first: DeviceBatch) -> None:
         """Sets ``module.variables`` from its ``pretrained`` hook (once: not
-        where it has variables), given the tree ``setup`` would build with the
+        where it has variables, unless they are only LoRA adapters, which join
+        the pretrained ones), given the tree ``setup`` would build with the
         strategy's layout, so that each process reads only its devices' blocks."""
-        if module.variables is not None or not contract.overrides(module, "pretrained"):
+        adapters = module.variables
+        if not contract.overrides(module, "pretrained"):
+            return
+        if adapters is not None and not adapters_alone(adapters):
             return
         args = (self.seed, None, self._example(first))
         annotated = functools.partial(
@@ -131,7 +136,10 @@ class CompiledSteps:
                 shardings,
             )
         with contract.in_hook(module, "pretrained"):
-            module.variables = module.pretrained(abstract)
+            variables = module.pretrained(abstract)
+        if adapters is not None:  # an adapter checkpoint's, beside the frozen weights
+            variables = {**variables, "params": with_base(variables["params"], adapters["params"])}
+        module.variables = variables
 
     def _compile_once(self, lowered: Any) -> Any:
         # Runs once: compiling it quickly matters more than running it quickly.
