@@ -18,6 +18,7 @@ from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
 import jaxlightning as jl
+from jaxlightning.io.weight_sources import Source
 
 
 class CompileCounter:
@@ -308,3 +309,19 @@ def fsdp_job_into(root: str, out: Any, save_every: int) -> tuple[str, list[int]]
     assert job.returncode == 0, job.stdout[-3000:]
     ckpts = f"{root}/lightning_logs/version_0/checkpoints"
     return ckpts, [int(p.rsplit("/", 1)[1]) for p in complete_checkpoints(ckpts)]
+
+
+class CountingSource(Source):
+    """A weights source that records the size of every block read from it."""
+
+    def __init__(self, inner):
+        super().__init__(inner.where)
+        self.inner, self.reads = inner, []
+
+    def names(self):
+        return self.inner.names()
+
+    def read(self, name, index=None):
+        block = self.inner.read(name, index)
+        self.reads.append(int(block.size))
+        return block

@@ -36,9 +36,11 @@ def setting(tmp_path_factory):
 def run(root, subcommand, *args):
     example = load_example("finetune_lm")
     argv = [
-        subcommand, "--model.pretrained", str(root / "llama"), "--data.documents", str(root / "docs.jsonl"),
+        subcommand,
+        "--model.pretrained", str(root / "llama"), "--data.documents", str(root / "docs.jsonl"),
         "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
-        "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", tempfile.mkdtemp(dir=root),
+        "--trainer.enable_checkpointing", "false",
+        "--trainer.default_root_dir", tempfile.mkdtemp(dir=root),
         *args,
     ]  # fmt: skip
     return example.main(argv)

@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxlightning as jl
 from jaxlightning.io import safetensors_format
-from jaxlightning.io.weight_sources import Source, open_source
-from tests.helpers import load_example
+from jaxlightning.io.weight_sources import open_source
+from tests.helpers import CountingSource, load_example
 
 RNG = np.random.default_rng(0)
 
@@ -273,22 +273,6 @@ def test_bfloat16_torch_weights_are_cast_to_the_tree_dtype_and_reported():
 
 
 # ------------------------------------------------------------ sharded loading
-class CountingSource(Source):
-    """A source that records the size of every block read from it."""
-
-    def __init__(self, inner):
-        super().__init__(inner.where)
-        self.inner, self.reads = inner, []
-
-    def names(self):
-        return self.inner.names()
-
-    def read(self, name, index=None):
-        block = self.inner.read(name, index)
-        self.reads.append((name, block.size))
-        return block
-
-
 def test_a_sharded_tree_is_built_shard_by_shard_never_reading_a_whole_array(tmp_path):
     weight = RNG.normal(size=(64, 16)).astype(np.float32)  # a Linear (out, in)
     safetensors_format.write(tmp_path / "w.safetensors", {"w": weight})
@@ -299,7 +283,7 @@ def test_a_sharded_tree_is_built_shard_by_shard_never_reading_a_whole_array(tmp_
     out = jl.load_weights(source, into, rename=[("w", "kernel", "T")])
     assert out["kernel"].sharding == sharding
     shard = 16 * 64 // len(jax.devices())
-    assert source.reads and max(size for _, size in source.reads) == shard
+    assert source.reads and max(source.reads) == shard
     for piece in out["kernel"].addressable_shards:
         assert piece.data.shape == (16, 64 // len(jax.devices()))
     np.testing.assert_array_equal(np.asarray(out["kernel"]), weight.T)
@@ -323,3 +307,28 @@ def test_the_index_names_files_the_folder_lacks(tmp_path):
     )
     with pytest.raises(FileNotFoundError):
         jl.load_weights(tmp_path, {"w": np.zeros(2)})
+
+
+@pytest.mark.slow
+def test_each_process_reads_only_its_devices_blocks_and_saving_gathers_them(tmp_path):
+    import subprocess
+    import sys
+
+    weight = RNG.normal(size=(64, 16)).astype(np.float32)
+    safetensors_format.write(tmp_path / "w.safetensors", {"w": weight})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [
+        sys.executable, "-m", "jaxlightning.launch", "--nprocs", "2", "--devices-per-proc", "4",
+        os.path.join(root, "tests", "run_weights.py"),
+        "--file", str(tmp_path / "w.safetensors"), "--out", str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": ""}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["local_devices"] == 4 and record["shards_match"]
+        assert sum(record["reads"]) == weight.size // 2  # its half, not a byte more
+        assert max(record["reads"]) == weight.size // 8  # one device's block at a time
+    back = safetensors.numpy.load_file(tmp_path / "back.safetensors")
+    np.testing.assert_array_equal(back["w"], weight)
