@@ -398,7 +398,9 @@ class JaxModule:
         """Traced, one device's shard: the training objective.
 
         Returns a scalar, a per-example vector (the Trainer takes the mean over the
-        real examples, so padded rows never count), or ``(loss, updates)`` where
+        real examples, so padded rows never count), a ``jl.metrics.TokenMean``
+        (the mean over the counted tokens of the whole global batch: a language
+        model's loss per token), or ``(loss, updates)`` where
         ``updates`` holds mutated collections such as ``{"batch_stats": ...}``;
         those are averaged across devices.
         """

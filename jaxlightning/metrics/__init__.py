@@ -19,3 +19,4 @@ from jaxlightning.metrics.objects import PearsonCorrCoef as PearsonCorrCoef
 from jaxlightning.metrics.objects import Precision as Precision
 from jaxlightning.metrics.objects import Recall as Recall
 from jaxlightning.metrics.objects import SpearmanCorrCoef as SpearmanCorrCoef
+from jaxlightning.metrics.objects import TokenMean as TokenMean

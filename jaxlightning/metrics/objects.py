@@ -623,6 +623,45 @@ class MeanSquaredError(_MeanError):
         return diff * diff
 
 
+class TokenMean(MetricObject):
+    """The mean of ``values`` over the elements where ``mask`` is True, exact
+    over every real row of every device: a language model's loss per predicted
+    token, not a mean of row means. As a value of ``self.log``, or returned by
+    ``loss`` (the gradient is then of the mean over the global batch's tokens).
+
+    Args:
+        values: one row per example (leading axis), any trailing shape, e.g.
+            ``(rows, seq_len)`` per-token losses.
+        mask: booleans of the same shape: which values count (the predicted
+            tokens: same document, not padding).
+    """
+
+    def __init__(self, values: Any, mask: Any) -> None:
+        super().__init__(values, mask)
+        if self.preds.shape != self.target.shape:
+            raise ValueError(
+                f"TokenMean: values of shape {self.preds.shape} and mask of shape "
+                f"{self.target.shape} differ; give one mask entry per value"
+            )
+        if jnp.issubdtype(self.target.dtype, jnp.inexact):
+            raise ValueError(
+                f"TokenMean: the mask is {self.target.dtype}; give booleans (or 0/1 integers)"
+            )
+
+    def settings(self) -> dict[str, Hashable]:
+        return {}
+
+    @classmethod
+    def empty(cls, **settings: Any) -> MeanError:
+        return MeanError(np.zeros((), np.float32), np.zeros((), np.int32))
+
+    def state(self, mask: jax.Array) -> MeanError:
+        rows = mask.reshape(mask.shape + (1,) * (self.preds.ndim - 1))
+        counted = self.target.astype(bool) & rows
+        total = jnp.where(counted, self.preds.astype(jnp.float32), 0.0).sum()
+        return MeanError(total, counted.sum(dtype=jnp.int32))
+
+
 class PearsonCorrCoef(MetricObject):
     """Pearson's correlation of ``preds`` and ``target`` (one value per row), as
     ``numpy.corrcoef``; NaN when either is constant.

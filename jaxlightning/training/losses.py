@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlightning.metrics.objects import TokenMean
+
 
 class NonFiniteLossError(FloatingPointError, RuntimeError):
     """The training loss became NaN or infinite (a `RuntimeError`, as
@@ -49,13 +51,18 @@ def split_loss_output(out: Any, model_state: Mapping[str, Any]) -> tuple[Any, di
 
 
 def masked_loss_sum(loss: Any, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(sum over real examples, number of real examples) of one shard's loss."""
+    """(sum over real examples, number of real examples) of one shard's loss;
+    for a `TokenMean`, over the real examples' counted elements (tokens)."""
+    if isinstance(loss, TokenMean):
+        counted = loss.state(mask)
+        return counted.total, counted.count
     if not isinstance(loss, (jax.Array, np.ndarray, np.number, float, int)) or isinstance(
         loss, bool
     ):
         raise TypeError(
-            f"loss() returned a {type(loss).__name__}; return a scalar or a per-example "
-            f"vector of shape {mask.shape} (this device's shard), or (loss, updates)"
+            f"loss() returned a {type(loss).__name__}; return a scalar, a per-example "
+            f"vector of shape {mask.shape} (this device's shard), a jl.metrics.TokenMean "
+            "(a mean over tokens), or (loss, updates)"
         )
     loss = jnp.asarray(loss)
     if not jnp.issubdtype(loss.dtype, jnp.floating):
