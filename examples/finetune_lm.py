@@ -219,7 +219,7 @@ class FineTuneLM(jl.JaxModule):
         self.log("train_loss", loss, prog_bar=True)
         for i, name in enumerate(self.source_names):  # the mixture this run got
             tokens = (batch["source"] == i) & (batch["segment_ids"] > 0)
-            self.log(f"data/tokens/{name}", tokens.sum(-1), reduce_fx="sum")
+            self.log(f"data/tokens/{name}", tokens.sum(-1), reduce_fx="sum", on_epoch=True)
         return loss
 
     def eval_step(self, variables, batch):
