@@ -3,7 +3,8 @@
     python examples/finetune_lm.py fit --model.pretrained DIR --data.documents FILE.jsonl \\
         [--model.lora_rank 8] [--trainer.max_steps 200] [--model.export OUT_DIR] \\
         [--data.pack true] [--data.seq_len 64] [--data.val_documents VAL.jsonl]
-    python examples/finetune_lm.py fit ... --data.documents a.jsonl:0.7,b.jsonl:0.3
+    python examples/finetune_lm.py fit ... --data.documents a.jsonl:0.7,b.jsonl:0.3 \\
+        [--data.weights_from "1000:0.5,0.5"]   # other weights from step 1000 on
     python examples/finetune_lm.py validate --model.pretrained DIR --data.documents ... \\
         --data.val_documents VAL.jsonl
 
@@ -303,7 +304,8 @@ class Documents(jl.DataModule):
     """Token documents as rows of ``seq_len`` for a language model, through grain.
 
     ``documents`` is one JSON-lines file, or a mixture ``a.jsonl:0.7,b.jsonl:0.3``
-    (each source packed apart, rows drawn by weight, deterministic for ``seed``).
+    (each source packed apart, rows drawn by weight, deterministic for ``seed``);
+    ``weights_from`` changes the weights at given steps: ``"1000:0.5,0.5;2000:0.2,0.8"``.
     ``pack`` packs several documents per row (first fit), else one per row,
     padded. Validation reads ``val_documents``, else the last ``val_fraction``
     of each source's documents (held out of training). Training streams rows
@@ -320,8 +322,10 @@ class Documents(jl.DataModule):
         val_documents: str | None = None,
         val_fraction: float = 0.1,
         seed: int = 0,
+        weights_from: str | None = None,
     ):
         self.seq_len, self.batch_size, self.pack = seq_len, batch_size, pack
+        self.weights_from = weights_from
         self.val_documents, self.val_fraction, self.seed = val_documents, val_fraction, seed
         self.sources = []  # (name, path, weight)
         for part in documents.split(","):
@@ -354,11 +358,17 @@ class Documents(jl.DataModule):
         return data.map(lambda piece: padded_row(piece, self.seq_len))
 
     def train_dataloader(self):
-        import grain
-
         streams = [self._rows(d, i, train=True) for i, d in enumerate(self.train_docs)]
-        weights = [weight for _, _, weight in self.sources]
-        rows = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams, weights)
+        if len(streams) == 1:
+            return streams[0].batch(self.batch_size)
+        schedule = [(0, [weight for _, _, weight in self.sources])]
+        for phase in (self.weights_from or "").split(";"):
+            if phase.strip():  # "STEP:W1,W2,...": these weights from that step on
+                step, _, weights = phase.partition(":")
+                schedule.append((int(step), [float(w) for w in weights.split(",")]))
+        rows = jl.scheduled_mixture(
+            streams, schedule, rows_per_step=self.batch_size, seed=self.seed
+        )
         return rows.batch(self.batch_size)
 
     def val_dataloader(self):

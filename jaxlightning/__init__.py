@@ -20,6 +20,7 @@ from jaxlightning.data import BatchError as BatchError
 from jaxlightning.data import DataModule as DataModule
 from jaxlightning.data.arrays import arrays as arrays
 from jaxlightning.data.buckets import BucketCollate as BucketCollate
+from jaxlightning.data.mixture import scheduled_mixture as scheduled_mixture
 from jaxlightning.data.signature import RecompileError as RecompileError
 from jaxlightning.io.checkpoint import CheckpointError as CheckpointError
 from jaxlightning.io.export import load_exported as load_exported

@@ -2,6 +2,7 @@
 (`jl.metrics.TokenMean`), documents packed with their own segments and
 positions, mixtures by weight, and exact resume (examples/finetune_lm.py)."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -113,20 +114,23 @@ def test_a_document_longer_than_a_row_goes_on_in_the_next_piece_marked_continued
     assert (first["continued"] == 0).all() and (third["continued"] == 1).all()
 
 
-def test_attention_never_crosses_packed_documents(tmp_path):
+def test_attention_never_crosses_packed_documents():
     example = load_example("finetune_lm")
-    tiny_llama(str(tmp_path))
-    with open(tmp_path / "config.json") as f:
-        net = example.Llama(json.load(f))
-    docs = documents(3, 4, 7)
+    config = {
+        "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+    }  # fmt: skip
+    net = example.Llama(config)
+    docs = documents(3, 6, 7)  # one length: one compile for the documents alone
     data = grain.MapDataset.source(example.pieces(docs, 24)).to_iter_dataset()
     (row,) = list(example.packed_rows(data, 24, seed=0))
     variables = net.init(jax.random.key(0), row["input_ids"][None])
-    packed = net.apply(variables, row["input_ids"][None], row["positions"][None],
-                       row["segment_ids"][None])[0]  # fmt: skip
+    apply = jax.jit(net.apply)
+    packed = apply(variables, row["input_ids"][None], row["positions"][None],
+                   row["segment_ids"][None])[0]  # fmt: skip
     for segment in (1, 2, 3):
         where = row["segment_ids"] == segment
-        alone = net.apply(variables, row["input_ids"][where][None])[0]
+        alone = apply(variables, row["input_ids"][where][None])[0]
         np.testing.assert_allclose(packed[where], alone, atol=1e-5)
 
 
@@ -218,3 +222,30 @@ def test_a_packed_mixture_resumed_mid_stream_is_bitwise_the_uninterrupted_run(co
     with np.load(out) as four:
         for i, b in enumerate(jax.tree.leaves(straight.trainer.state.params)):
             np.testing.assert_allclose(four[f"arr_{i}"], np.asarray(b), atol=1e-4)
+
+
+# ------------------------------------------------------------------ mixtures
+def numbered(start):
+    return grain.MapDataset.source(list(range(start, start + 10_000))).repeat().to_iter_dataset()
+
+
+def test_a_scheduled_mixture_draws_by_the_weights_in_force_and_resumes_at_the_row():
+    mixed = jl.scheduled_mixture(
+        [numbered(0), numbered(100_000)], [(0, [0.8, 0.2]), (50, [0.1, 0.9])], rows_per_step=8
+    )
+    rows = list(itertools.islice(iter(mixed), 800))
+    second = np.array([r >= 100_000 for r in rows])
+    assert abs(second[:400].mean() - 0.2) < 0.05 and abs(second[400:].mean() - 0.9) < 0.05
+    assert rows == list(itertools.islice(iter(mixed), 800))  # deterministic for its seed
+    stopped = iter(mixed)
+    list(itertools.islice(stopped, 333))
+    resumed = iter(mixed)
+    resumed.set_state(json.loads(json.dumps(stopped.get_state())))  # as a checkpoint holds it
+    assert list(itertools.islice(resumed, 100)) == rows[333:433]
+
+
+def test_a_mixture_schedule_that_cannot_be_followed_is_named():
+    with pytest.raises(ValueError, match="the first at step 0"):
+        jl.scheduled_mixture([numbered(0)], [(5, [1.0])], rows_per_step=1)
+    with pytest.raises(ValueError, match="give 2 non-negative weights"):
+        jl.scheduled_mixture([numbered(0), numbered(9)], [(0, [1.0])], rows_per_step=1)
