@@ -582,3 +582,11 @@ def data_path(size: dict[str, int], rounds: int) -> dict[str, Any]:
         # the ceiling of one step per dispatch: the physical reference's ratio
         out["bare_resident_vs_lightning"] = ratio("lightning", "bare_resident")
     return out
+
+
+def lm_packing(size: dict[str, int], rounds: int) -> dict[str, Any]:
+    """Issue 63's arm: packed language-model rows against padded ones and
+    against a bare jit loop over the same packed arrays (benchmarks/lm.py)."""
+    from benchmarks import lm
+
+    return lm.packing(size, rounds)

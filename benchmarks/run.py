@@ -46,6 +46,7 @@ GROUPS: dict[str, tuple[int, list[str]]] = {
     "startup": (1, ["startup"]),
     "data": (1, ["data_path"]),
     "workers": (1, ["workers"]),
+    "lm": (1, ["lm_packing"]),
 }
 
 # (result path, target, higher is better)
@@ -68,6 +69,9 @@ TARGETS: list[tuple[str, float, bool]] = [
     ("data.data_path.spe8_vs_lightning", 2.5, True),
     ("workers.workers.fork_first_step_minus_none_s", 1.0, False),
     ("workers.workers.fork_epoch_over_none", 1.0, False),
+    ("lm.lm_packing.long_tail.packed_over_padded", 1.5, True),
+    ("lm.lm_packing.long_tail.packed_over_bare", 0.95, True),
+    ("lm.lm_packing.uniform.packed_over_bare", 0.95, True),
     ("multi.sharded_memory.fsdp.vs_data_parallel", 0.40, False),
     ("multi.sharded_memory.fsdp_remat.vs_data_parallel", 0.25, False),
 ]
