@@ -70,8 +70,8 @@ TARGETS: list[tuple[str, float, bool]] = [
     ("workers.workers.fork_first_step_minus_none_s", 1.0, False),
     ("workers.workers.fork_epoch_over_none", 1.0, False),
     ("lm.lm_packing.long_tail.packed_over_padded", 1.5, True),
-    ("lm.lm_packing.long_tail.packed_over_bare", 0.95, True),
-    ("lm.lm_packing.uniform.packed_over_bare", 0.95, True),
+    ("lm.lm_packing.long_tail.prepacked_over_bare", 0.95, True),
+    ("lm.lm_packing.uniform.prepacked_over_bare", 0.95, True),
     ("multi.sharded_memory.fsdp.vs_data_parallel", 0.40, False),
     ("multi.sharded_memory.fsdp_remat.vs_data_parallel", 0.25, False),
 ]

@@ -60,7 +60,7 @@ def masked_loss_sum(loss: Any, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
         loss, bool
     ):
         raise TypeError(
-            f"loss() returned a {type(loss).__name__}; return a scalar, a per-example "
+            f"loss() returned a {type(loss).__name__}; return a scalar or a per-example "
             f"vector of shape {mask.shape} (this device's shard), a jl.metrics.TokenMean "
             "(a mean over tokens), or (loss, updates)"
         )
